@@ -1,0 +1,67 @@
+"""`europa-jax train|count`: the command line.
+
+jax is imported only after the config is read, because the number of CPU devices must be
+fixed before jax creates its backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from europa_jax.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="europa-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("config")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set optim.learning_rate=1e-3")
+    train.add_argument("--run-dir", help="where metrics.jsonl goes (default: train.run_dir)")
+
+    count = sub.add_parser("count", help="parameter counts from shapes alone (no allocation)")
+    count.add_argument("config")
+    count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def _use_cpu_devices(n: int) -> None:
+    """Give the CPU backend `n` devices (harmless on GPU hosts, where it is not used)."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.command == "count":
+            _use_cpu_devices(1)
+            from europa_jax.train import abstract_variables
+            import flax.linen as nn
+            from europa_jax import flops, optim
+
+            params = nn.unbox(abstract_variables(cfg))
+            report = flops.parameter_counts(cfg.model, params)
+            report["muon_fraction"] = optim.muon_fraction(params)
+            print(json.dumps(report, indent=2))
+            return 0
+        _use_cpu_devices(cfg.mesh.n_devices)
+        from europa_jax.train import train
+
+        records = train(cfg, args.run_dir)
+        print(json.dumps({"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+                          "steps": cfg.train.steps}))
+        return 0
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Typed run configuration: one frozen dataclass per concern, loaded from YAML.
+
+Every check that can be made before a compile is made here, so a bad config fails in a
+second with a one-line `ConfigError` naming the key and value instead of deep in XLA.
+This module does not import jax: the CLI reads a config before it decides how many
+CPU devices jax should create.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message is one line naming key and value."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScalingConfig:
+    """YaRN context extension (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V3 uses it."""
+
+    type: Literal["none", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def __post_init__(self):
+        _positive(self, "factor", "original_max_position_embeddings")
+        if self.type == "yarn" and self.factor < 1.0:
+            raise ConfigError(f"model.rope_scaling.factor: {self.factor} < 1 makes no sense for yarn")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """DeepSeek-V3 / Kimi-K2 family shapes (MLA attention, sigmoid-routed MoE)."""
+
+    vocab_size: int
+    # Rows of the embedding/head are padded to a multiple of this so that the vocab
+    # dimension divides the mesh (2^k vocabularies do not divide 96 nodes × 4).
+    vocab_pad_multiple: int = 128
+    d_model: int
+    n_layers: int
+    n_dense_layers: int = 1
+    n_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    dense_ffn_dim: int
+    n_routed_experts: int
+    n_shared_experts: int = 1
+    expert_ffn_dim: int
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): bias += rate * sign(mean_load - load).
+    router_bias_update_rate: float = 1e-3
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    max_position_embeddings: int = 4096
+    init_std: float = 0.02
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    attention_block_size: int = 512
+    # Expert matmuls: ragged_dot (GPU/TPU kernels) or blocked (exact, fast on XLA:CPU).
+    grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = "auto"
+    scan_layers: bool = True
+    remat: Literal["none", "full"] = "full"
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "vocab_pad_multiple", "d_model", "n_layers", "n_heads",
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "dense_ffn_dim", "n_routed_experts", "expert_ffn_dim", "top_k",
+                  "n_group", "topk_group", "rms_norm_eps", "rope_theta",
+                  "max_position_embeddings", "attention_block_size", "init_std")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
+                              f"model.n_layers={self.n_layers}]")
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} must be >= 0")
+        if self.top_k > self.n_routed_experts:
+            raise ConfigError(f"model.top_k: {self.top_k} > model.n_routed_experts="
+                              f"{self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(f"model.n_group: {self.n_group} does not divide "
+                              f"model.n_routed_experts={self.n_routed_experts}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"model.topk_group: {self.topk_group} > model.n_group={self.n_group}")
+        experts_per_group = self.n_routed_experts // self.n_group
+        if self.top_k > self.topk_group * experts_per_group:
+            raise ConfigError(f"model.top_k: {self.top_k} > topk_group × experts per group = "
+                              f"{self.topk_group * experts_per_group}; routing cannot pick that many")
+        if self.n_group > 1 and experts_per_group < 2:
+            raise ConfigError(f"model.n_group: {self.n_group} leaves {experts_per_group} expert per "
+                              "group; group scores sum each group's top-2 experts")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (RoPE "
+                              "rotates pairs)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh `(data, expert)`; `expert` is the devices of one node (NVLink)."""
+
+    data: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        _positive(self, "data", "expert")
+
+    @property
+    def n_devices(self) -> int:
+        return self.data * self.expert
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Muon (Jordan 2024; Liu et al. 2025, arXiv:2502.16982) for hidden matrices, AdamW for the rest."""
+
+    learning_rate: float = 3e-3
+    # Warmup-stable-decay: linear warmup, constant, then linear decay to min_lr_ratio × peak.
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip_grad_norm: float = 1.0
+    muon_beta: float = 0.95
+    muon_ns_steps: int = 5
+    # Moonlight/Kimi RMS matching: Muon updates scaled to AdamW's RMS so one lr serves both.
+    muon_consistent_rms: float = 0.2
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+
+    def __post_init__(self):
+        _positive(self, "learning_rate", "muon_ns_steps", "adam_eps")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps: {self.warmup_steps} must be >= 0")
+        for key in ("decay_fraction", "min_lr_ratio", "muon_beta", "adam_b1", "adam_b2"):
+            value = getattr(self, key)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"optim.{key}: {value} must be in [0, 1]")
+        if self.weight_decay < 0 or self.clip_grad_norm < 0:
+            raise ConfigError("optim.weight_decay and optim.clip_grad_norm must be >= 0 "
+                              f"(got {self.weight_decay}, {self.clip_grad_norm})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["stdlib"] = "stdlib"
+    seq_len: int = 256
+    global_batch_size: int = 8
+    seed: int = 0
+    max_documents: int | None = None
+
+    def __post_init__(self):
+        _positive(self, "seq_len", "global_batch_size")
+        if self.max_documents is not None and self.max_documents <= 0:
+            raise ConfigError(f"data.max_documents: {self.max_documents} must be positive or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    log_every: int = 1
+    seed: int = 0
+    # Peak dense bf16 FLOP/s per device, per platform, for MFU. GH200 (H100-class Hopper):
+    # 989 TFLOP/s dense bf16; the CPU figure is nominal (benchmarks measure the real one).
+    peak_flops_per_device: dict[str, float] = field(
+        default_factory=lambda: {"gpu": 989e12, "cpu": 1e11, "tpu": 918e12})
+    run_dir: str = "runs/default"
+
+    def __post_init__(self):
+        _positive(self, "steps", "log_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        m, mesh, data = self.model, self.mesh, self.data
+        if m.n_routed_experts % mesh.expert:
+            raise ConfigError(f"model.n_routed_experts: {m.n_routed_experts} is not divisible by "
+                              f"mesh.expert={mesh.expert}")
+        if data.seq_len % m.attention_block_size:
+            raise ConfigError(f"data.seq_len: {data.seq_len} is not divisible by "
+                              f"model.attention_block_size={m.attention_block_size}")
+        if data.global_batch_size % mesh.n_devices:
+            raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
+                              f"by the mesh's {mesh.n_devices} devices (data×expert)")
+        if data.seq_len > m.max_position_embeddings:
+            raise ConfigError(f"data.seq_len: {data.seq_len} > model.max_position_embeddings="
+                              f"{m.max_position_embeddings}")
+        from europa_jax.data import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
+
+        if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
+            raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "
+                              "byte-level stdlib corpus")
+
+
+def check_device_count(cfg: Config, n_devices: int) -> None:
+    """The mesh must use every device of the job exactly once."""
+    if cfg.mesh.n_devices != n_devices:
+        raise ConfigError(f"mesh: data×expert = {cfg.mesh.data}×{cfg.mesh.expert} = "
+                          f"{cfg.mesh.n_devices} but the job has {n_devices} devices")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """YAML file + `a.b=value` overrides → validated `Config`."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        return from_dict(Config, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.learning_rate=1e-3")
+    key, value = item.split("=", 1)
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from nested dicts, checking names and types key by key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: required key is missing")
+    return cls(**kwargs)  # __post_init__ checks name their keys in full
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            allowed = ", ".join(map(str, typing.get_args(hint)))
+            raise ConfigError(f"{key}: {value!r} is not one of: {allowed}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        _, value_type = typing.get_args(hint)
+        return {k: _coerce(value_type, v, f"{key}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML reads 3e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} "
+                          f"({type(value).__name__})")
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _positive(obj: Any, *keys: str) -> None:
+    section = {ModelConfig: "model", MeshConfig: "mesh", OptimConfig: "optim",
+               DataConfig: "data", TrainConfig: "train",
+               RopeScalingConfig: "model.rope_scaling"}[type(obj)]
+    for key in keys:
+        value = getattr(obj, key)
+        if not value > 0:
+            raise ConfigError(f"{section}.{key}: {value} must be positive")

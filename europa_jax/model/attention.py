@@ -1,0 +1,127 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434) and blockwise attention.
+
+Shape legend: B batch, S query sequence, T key sequence, D model width, H heads,
+Q q low-rank width, A kv low-rank (latent) width, N no-rope head dims, P rope head dims,
+K = N + P query/key head dims, O value head dims, X blocks, Y block length.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from europa_jax.config import ModelConfig
+from europa_jax.model.layers import RMSNorm, apply_rope, weight, yarn_mscale
+
+
+class MLAttention(nn.Module):
+    """Low-rank q and kv projections; a decoupled RoPE key shared by all heads."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2):
+        cfg, dt = self.cfg, x_BSD.dtype
+        d, h, q_rank, kv_rank = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        n, p, o = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        w_q_a_DQ = weight(self, "w_q_a", (d, q_rank), ("embed", "q_lora"), cfg).astype(dt)
+        w_q_b_QHK = weight(self, "w_q_b", (q_rank, h, n + p), ("q_lora", "heads", "head_dim"),
+                           cfg).astype(dt)
+        w_kv_a_DA = weight(self, "w_kv_a", (d, kv_rank + p), ("embed", "kv_lora"), cfg).astype(dt)
+        w_kv_b_AHK = weight(self, "w_kv_b", (kv_rank, h, n + o), ("kv_lora", "heads", "head_dim"),
+                            cfg).astype(dt)
+        w_o_HOD = weight(self, "w_o", (h, o, d), ("heads", "head_dim", "embed"), cfg).astype(dt)
+
+        q_latent_BSQ = RMSNorm(cfg, q_rank, name="q_a_norm")(x_BSD @ w_q_a_DQ)
+        q_BSHK = jnp.einsum("bsq,qhk->bshk", q_latent_BSQ, w_q_b_QHK)
+        q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
+
+        kv_a_BSA = x_BSD @ w_kv_a_DA
+        kv_latent_BSA = RMSNorm(cfg, kv_rank, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
+        k_rope_BS1P = kv_a_BSA[..., None, kv_rank:]
+        kv_BSHK = jnp.einsum("bsa,ahk->bshk", kv_latent_BSA, w_kv_b_AHK)
+        k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
+
+        q_rope_BSHP = apply_rope(q_rope_BSHP, cos_BSP2, sin_BSP2)
+        k_rope_BSHP = jnp.broadcast_to(apply_rope(k_rope_BS1P, cos_BSP2, sin_BSP2),
+                                       k_nope_BSHN.shape[:-1] + (p,))
+        q_BSHK = jnp.concatenate([q_nope_BSHN, q_rope_BSHP], axis=-1)
+        k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
+
+        scale = (n + p) ** -0.5
+        if cfg.rope_scaling.type == "yarn":  # DeepSeek-V3 sharpens softmax with YaRN's mscale²
+            scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
+        out_BSHO = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
+                                       block_size=cfg.attention_block_size, scale=scale)
+        out_BSHO = checkpoint_name(out_BSHO, "attention_out")
+        return jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+
+
+def attention_mask(q_index_S, k_index_T, q_segment_BS, k_segment_BT):
+    """Causal by token index and isolated by document: [B, 1, S, T] booleans."""
+    causal_ST = q_index_S[:, None] >= k_index_T[None, :]
+    same_doc_BST = q_segment_BS[:, :, None] == k_segment_BT[:, None, :]
+    return (causal_ST[None] & same_doc_BST)[:, None]
+
+
+def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, scale):
+    """Causal, document-masked attention with an online softmax over key blocks.
+
+    Memory is O(S·block) per query block, never O(S²): each query block scans the key
+    blocks keeping a running max/denominator (Milakov & Gimelshein 2018; FlashAttention,
+    Dao et al. 2022). Key blocks strictly after the query block are skipped (a `cond` on
+    replicated loop indices, so it costs no collective). Each query block is a
+    `jax.checkpoint`, so the backward pass recomputes one block's scores at a time.
+    Tokens whose document has no visible key (impossible with causal self-attention, but
+    kept safe) produce zeros.
+    """
+    b, s, h, _ = q_BSHK.shape
+    o_dim = v_BSHO.shape[-1]
+    y = min(block_size, s)
+    x = s // y
+
+    def blocks(t):  # [B, S, ...] -> [X, B, Y, ...]
+        return jnp.moveaxis(t.reshape(b, x, y, *t.shape[2:]), 1, 0)
+
+    q_XBYHK, k_XBYHK, v_XBYHO = blocks(q_BSHK), blocks(k_BSHK), blocks(v_BSHO)
+    seg_XBY = blocks(segment_ids_BS)
+    block_ids_X = jnp.arange(x)
+
+    @jax.checkpoint
+    def one_query_block(args):
+        qi, q_BYHK, q_seg_BY = args
+        q_index_Y = qi * y + jnp.arange(y)
+
+        def visit_key_block(carry, kv):
+            kj, k_BYHK, v_BYHO, k_seg_BY = kv
+
+            def accumulate(carry):
+                m_BHY, l_BHY, acc_BHYO = carry
+                s_BHYY = jnp.einsum("bqhk,bthk->bhqt", q_BYHK, k_BYHK,
+                                    preferred_element_type=jnp.float32) * scale
+                mask = attention_mask(q_index_Y, kj * y + jnp.arange(y), q_seg_BY, k_seg_BY)
+                s_BHYY = jnp.where(mask, s_BHYY, -jnp.inf)
+                m_new_BHY = jnp.maximum(m_BHY, s_BHYY.max(axis=-1))
+                # Rows that have seen no visible key yet keep max -inf; shift them by 0.
+                shift_BHY = jnp.where(jnp.isfinite(m_new_BHY), m_new_BHY, 0.0)
+                p_BHYY = jnp.exp(s_BHYY - shift_BHY[..., None])
+                correction_BHY = jnp.exp(m_BHY - shift_BHY)
+                l_BHY = l_BHY * correction_BHY + p_BHYY.sum(axis=-1)
+                pv_BHYO = jnp.einsum("bhqt,bthv->bhqv", p_BHYY.astype(v_BYHO.dtype), v_BYHO,
+                                     preferred_element_type=jnp.float32)
+                acc_BHYO = acc_BHYO * correction_BHY[..., None] + pv_BHYO
+                return m_new_BHY, l_BHY, acc_BHYO
+
+            return jax.lax.cond(kj <= qi, accumulate, lambda c: c, carry), None
+
+        init = (jnp.full((b, h, y), -jnp.inf, jnp.float32), jnp.zeros((b, h, y), jnp.float32),
+                jnp.zeros((b, h, y, o_dim), jnp.float32))
+        (_, l_BHY, acc_BHYO), _ = jax.lax.scan(visit_key_block, init,
+                                               (block_ids_X, k_XBYHK, v_XBYHO, seg_XBY))
+        out_BHYO = acc_BHYO / jnp.where(l_BHY > 0, l_BHY, 1.0)[..., None]
+        return jnp.einsum("bhyo->byho", out_BHYO).astype(v_BSHO.dtype)
+
+    out_XBYHO = jax.lax.map(one_query_block, (block_ids_X, q_XBYHK, seg_XBY))
+    return jnp.moveaxis(out_XBYHO, 0, 1).reshape(b, s, h, o_dim)

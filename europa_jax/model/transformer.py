@@ -1,0 +1,104 @@
+"""Decoder blocks, the scan over layers, embedding and LM head.
+
+Shape legend: B batch, S sequence, D model width, V (padded) vocabulary, L layers,
+E routed experts, P2 rotary frequency pairs.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from europa_jax.config import ModelConfig
+from europa_jax.model.attention import MLAttention
+from europa_jax.model.layers import DTYPES, RMSNorm, SwiGLU, rope_tables, weight
+from europa_jax.model.moe import MoE
+from europa_jax.sharding import constrain
+
+ACTIVATION_AXES = ("batch", "seq", "act_embed")
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + MLP or MoE (norm(·))."""
+
+    cfg: ModelConfig
+    is_moe: bool
+
+    @nn.compact
+    def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E):
+        cfg = self.cfg
+        x_BSD = constrain(checkpoint_name(x_BSD, "layer_input"), ACTIVATION_AXES)
+        attn_BSD = MLAttention(cfg, name="attention")(
+            RMSNorm(cfg, cfg.d_model, name="attention_norm")(x_BSD), segment_ids_BS,
+            cos_BSP2, sin_BSP2)
+        h_BSD = x_BSD + attn_BSD
+        mlp_in_BSD = RMSNorm(cfg, cfg.d_model, name="mlp_norm")(h_BSD)
+        if self.is_moe:
+            mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E)
+        else:
+            mlp_out_BSD, stats = SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(mlp_in_BSD), None
+        return constrain(h_BSD + mlp_out_BSD, ACTIVATION_AXES), stats
+
+
+def _block_class(cfg: ModelConfig):
+    if cfg.remat == "full":  # recompute everything in backward; only layer inputs are kept
+        return nn.remat(DecoderBlock, policy=jax.checkpoint_policies.nothing_saveable,
+                        prevent_cse=not cfg.scan_layers)
+    return DecoderBlock
+
+
+class Transformer(nn.Module):
+    """Embedding → first `n_dense_layers` dense blocks → MoE blocks → norm → LM head."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE):
+        """Returns float32 logits [B, S, V] and per-MoE-layer stats stacked over L."""
+        cfg = self.cfg
+        compute_dtype = DTYPES[cfg.compute_dtype]
+        v, d = cfg.padded_vocab_size, cfg.d_model
+        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg)
+        x_BSD = constrain(embedding_VD[tokens_BS].astype(compute_dtype), ACTIVATION_AXES)
+        cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
+
+        x_BSD, _ = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
+                               is_moe=False, n=cfg.n_dense_layers, name="dense_layers")
+        x_BSD, stats = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE,
+                                   is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
+
+        x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
+        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg).astype(compute_dtype)
+        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV, preferred_element_type=jnp.float32)
+        if v > cfg.vocab_size:  # padding rows exist only to divide the mesh: never predicted
+            logits_BSV = jnp.where(jnp.arange(v) < cfg.vocab_size, logits_BSV, -1e30)
+        return constrain(logits_BSV, ("batch", "seq", "act_vocab")), stats
+
+    def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, *, is_moe, n,
+               name):
+        """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
+        if n == 0:
+            return x_BSD, None
+        block_cls = _block_class(self.cfg)
+        bias_axis = 0 if is_moe else nn.broadcast
+        if self.cfg.scan_layers:
+            scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                              in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, bias_axis),
+                              length=n, metadata_params={nn.PARTITION_NAME: "layers"})
+            return scanned(self.cfg, is_moe, name=name)(x_BSD, segment_ids_BS, cos_BSP2,
+                                                        sin_BSP2, router_bias_LE)
+        per_layer = []
+        for i in range(n):
+            bias_E = router_bias_LE[i] if is_moe else None
+            x_BSD, stats = block_cls(self.cfg, is_moe, name=f"{name}_{i}")(
+                x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E)
+            per_layer.append(stats)
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if is_moe else None
+        return x_BSD, stacked
+
+
+def init_router_bias(cfg: ModelConfig) -> jax.Array:
+    """Aux-loss-free balancing bias [L_moe, E]; state, not a parameter (no gradient)."""
+    return jnp.zeros((cfg.n_moe_layers, cfg.n_routed_experts), jnp.float32)

@@ -1,0 +1,110 @@
+"""Muon for hidden matrices, AdamW for the rest; warmup-stable-decay; global-norm clipping.
+
+Muon (Jordan 2024; Liu et al. 2025 "Muon is Scalable for LLM Training", arXiv:2502.16982)
+orthogonalizes each matrix's momentum with Newton–Schulz. Which axes form "the matrix"
+matters for our stacked, multi-axis weights, so every parameter name has an entry below:
+leading `layers` (scan) and `experts` axes are batch axes (one orthogonalization per
+layer, per expert); the trailing axes split into reduction (input) and output groups,
+e.g. `w_q_b[Q, H, K]` is one `Q × (H·K)` matrix exactly like DeepSeek's `q_b_proj`.
+
+AdamW keeps the embedding, LM head and router gate (decayed) and norm scales (not
+decayed). The router gate stays on AdamW on purpose: its columns are per-expert
+classifier directions whose *individual* scales decide routing; orthogonalizing the
+update would equalize its singular values and move all experts' logits in lockstep,
+the same reason Muon excludes the LM head. It is < 0.05 % of parameters.
+
+With `consistent_rms=0.2` Muon's update RMS matches AdamW's (Moonlight/Kimi), so one
+learning rate and schedule serve both groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from europa_jax.config import OptimConfig
+
+# Parameter name → (number of trailing reduction axes, number of trailing output axes).
+MUON_MATRICES: dict[str, tuple[int, int]] = {
+    "w_q_a": (1, 1), "w_kv_a": (1, 1),
+    "w_q_b": (1, 2), "w_kv_b": (1, 2),
+    "w_o": (2, 1),
+    "w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1),
+}
+ADAMW_DECAYED = frozenset({"embedding", "lm_head", "w_router"})
+ADAMW_NOT_DECAYED = frozenset({"scale"})
+
+
+def _leaf_name(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def labels(params: Any) -> Any:
+    """'muon' | 'adamw' | 'adamw_no_decay' per parameter; an unknown name is an error."""
+    def label(path, _):
+        name = _leaf_name(path)
+        if name in MUON_MATRICES:
+            return "muon"
+        if name in ADAMW_DECAYED:
+            return "adamw"
+        if name in ADAMW_NOT_DECAYED:
+            return "adamw_no_decay"
+        raise KeyError(f"parameter {jax.tree_util.keystr(path)}: no optimizer rule for "
+                       f"{name!r} (add it to optim.MUON_MATRICES or the AdamW sets)")
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+    """Reduction/output axes of each Muon matrix (leading axes are batch axes); None else."""
+    def dims(path, leaf):
+        if _leaf_name(path) not in MUON_MATRICES:
+            return None
+        n_reduce, n_out = MUON_MATRICES[_leaf_name(path)]
+        ndim = len(leaf.shape)
+        reduce_axes = tuple(range(ndim - n_reduce - n_out, ndim - n_out))
+        return MuonDimensionNumbers(reduction_axis=reduce_axes,
+                                    output_axis=tuple(range(ndim - n_out, ndim)))
+
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Warmup-stable-decay: linear warmup, constant plateau, linear decay in the last fraction."""
+    decay_steps = max(1, int(round(cfg.decay_fraction * total_steps)))
+    stable_steps = max(0, total_steps - cfg.warmup_steps - decay_steps)
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0 if cfg.warmup_steps else peak, peak, max(cfg.warmup_steps, 1)),
+         optax.constant_schedule(peak),
+         optax.linear_schedule(peak, floor, decay_steps)],
+        boundaries=[cfg.warmup_steps, cfg.warmup_steps + stable_steps])
+
+
+def build_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    lr = schedule(cfg, total_steps)
+    muon = optax.contrib.muon(
+        learning_rate=lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, muon_weight_dimension_numbers=muon_dimension_numbers,
+        consistent_rms=cfg.muon_consistent_rms)
+
+    def adamw(weight_decay: float) -> optax.GradientTransformation:
+        return optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                           weight_decay=weight_decay)
+
+    partitioned = optax.partition(
+        {"muon": muon, "adamw": adamw(cfg.weight_decay), "adamw_no_decay": adamw(0.0)}, labels)
+    clip = optax.clip_by_global_norm(cfg.clip_grad_norm) if cfg.clip_grad_norm else optax.identity()
+    return optax.chain(clip, partitioned)
+
+
+def muon_fraction(params: Any) -> float:
+    """Share of parameters (by count) that Muon updates."""
+    by_label: dict[str, int] = {}
+    for label, leaf in zip(jax.tree.leaves(labels(params)), jax.tree.leaves(params)):
+        by_label[label] = by_label.get(label, 0) + math.prod(leaf.shape)
+    return by_label.get("muon", 0) / sum(by_label.values())

@@ -1,0 +1,164 @@
+"""The `(data, expert)` mesh and the ONE table mapping logical axis names to mesh axes.
+
+Notation (scaling-book style): `W[D_(data,expert), F]` = D split over both mesh axes.
+- tokens `X[B_(data,expert), S, D]`: every device holds different sequences.
+- dense weights: fully sharded (FSDP) over all devices, gathered per layer by XLA.
+- expert weights `We[E_expert, D, F_data]`: experts split over the devices of a node,
+  each expert's matrix sharded over nodes.
+
+Sizes decide the dimension: 96 nodes carry a factor 3 that 7168 (the hidden size) lacks,
+so `resolve_spec` gives each mesh axis to the first dimension of the tensor whose
+logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]` →
+`P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
+over it; `replicated_over` reports that so `count`/planning can show the cost.
+
+Axis type: we use `AxisType.Auto` (GSPMD propagation). Model code stays free of mesh
+names and only pins shardings through `constrain` with logical names; Explicit axes
+would need an `out_sharding` on every op of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from europa_jax.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "expert")
+
+# Logical axis → mesh axes it may be sharded over, in order of preference.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    # parameters
+    "layers": (),  # scanned layer axis: every device holds its slice of every layer
+    "vocab": ("data", "expert"),
+    "embed": ("data", "expert"),
+    "mlp": ("data", "expert"),
+    "q_lora": ("data", "expert"),
+    "kv_lora": ("data", "expert"),
+    "heads": ("data", "expert"),
+    "head_dim": ("data", "expert"),
+    "router": ("data", "expert"),
+    "norm": (),  # vectors of width D: replicated, too small to be worth a gather
+    "experts": ("expert",),  # experts stay inside a node
+    "expert_embed": ("data",),
+    "expert_mlp": ("data",),
+    # activations
+    "batch": ("data", "expert"),
+    "seq": (),
+    "act_embed": (),
+    "act_vocab": (),
+    "router_bias": (),
+}
+
+# Used only for a mesh axis that no primary rule could place on the tensor. Kimi-K2's
+# expert matrices [E=384, D=7168, F=2048] have no factor 3 outside E, so over 96 nodes
+# the experts themselves are split further: P(('expert', 'data'), ...) keeps each node's
+# experts contiguous (expert-major) so group-limited routing still maps groups to GPUs.
+FALLBACK_RULES: dict[str, tuple[str, ...]] = {
+    "experts": ("data",),
+}
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh `(data, expert)` with `expert` the fastest-varying axis (consecutive devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if mesh_cfg.n_devices != len(devices):
+        raise ConfigError(f"mesh: data×expert = {mesh_cfg.data}×{mesh_cfg.expert} = "
+                          f"{mesh_cfg.n_devices} but there are {len(devices)} devices")
+    grid = np.array(devices, dtype=object).reshape(mesh_cfg.data, mesh_cfg.expert)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def resolve_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
+                 mesh_shape: dict[str, int]) -> P:
+    """Per-tensor PartitionSpec: each mesh axis to the first allowed dim it divides.
+
+    Fallback rules are tried only for mesh axes no primary rule could place. Within one
+    dimension, mesh axes are ordered as the logical name's rules list them (major first).
+    """
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    for name in logical_axes:
+        if name is not None and name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no sharding rule in sharding.LOGICAL_RULES")
+    assigned: list[list[str]] = [[] for _ in shape]
+    placed: set[str] = set()
+    for rules in (LOGICAL_RULES, FALLBACK_RULES):
+        for mesh_axis in MESH_AXES:
+            size = mesh_shape.get(mesh_axis, 1)
+            if size == 1 or mesh_axis in placed:
+                continue
+            for dim, name in enumerate(logical_axes):
+                if name is None or mesh_axis not in rules.get(name, ()):
+                    continue
+                already = math.prod(mesh_shape[a] for a in assigned[dim])
+                if shape[dim] % (already * size) == 0:
+                    assigned[dim].append(mesh_axis)
+                    placed.add(mesh_axis)
+                    break
+    entries = []
+    for name, axes in zip(logical_axes, assigned):
+        preference = LOGICAL_RULES.get(name, ()) + FALLBACK_RULES.get(name, ())
+        axes = sorted(axes, key=preference.index)
+        entries.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*entries)
+
+
+def replicated_over(spec: P, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that a spec does not use: the tensor is copied over them."""
+    used = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return tuple(a for a in MESH_AXES if mesh_shape.get(a, 1) > 1 and a not in used)
+
+
+def logical_axes_tree(boxed_tree: Any) -> Any:
+    """Logical names of every leaf of a Flax variables tree; an unnamed leaf is an error."""
+    def names(path, leaf):
+        if isinstance(leaf, nn.Partitioned):
+            return tuple(leaf.names)
+        raise KeyError(f"parameter {jax.tree_util.keystr(path)} has no logical axis names")
+
+    return jax.tree_util.tree_map_with_path(
+        names, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def specs_for(boxed_tree: Any, mesh_shape: dict[str, int]) -> Any:
+    """PartitionSpecs for a boxed abstract tree (from `jax.eval_shape` of a Flax init)."""
+    def spec(leaf):
+        return resolve_spec(tuple(leaf.names), leaf.value.shape, mesh_shape)
+
+    return jax.tree.map(spec, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+# ----------------------------------------------------------------------------- activations
+
+_ACTIVE_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh):
+    """While tracing inside this context, `constrain` pins activations to `mesh`."""
+    token = _ACTIVE_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVE_MESH.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside `activation_sharding`."""
+    mesh = _ACTIVE_MESH.get()
+    if mesh is None:
+        return x
+    spec = resolve_spec(logical_axes, x.shape, mesh_shape_of(mesh))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,30 @@
+"""Every test runs on 8 CPU devices (set before jax creates its backends)."""
+
+import dataclasses
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from europa_jax.config import load_config  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_path(name: str) -> str:
+    return os.path.join(REPO, "configs", name)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    """tiny-cpu shrunk further so one compiled step takes seconds on 2 cores."""
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    model = dataclasses.replace(cfg.model, d_model=32, q_lora_rank=16, kv_lora_rank=16,
+                                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                dense_ffn_dim=64, expert_ffn_dim=16, attention_block_size=16)
+    data = dataclasses.replace(cfg.data, seq_len=64, global_batch_size=8, max_documents=40)
+    train = dataclasses.replace(cfg.train, steps=10)
+    return dataclasses.replace(cfg, model=model, data=data, train=train)

@@ -1,0 +1,79 @@
+"""Every config mistake is a one-line ConfigError naming the key and value."""
+
+import pytest
+
+from europa_jax.config import ConfigError, check_device_count, load_config
+from conftest import config_path
+
+
+def load(tmp_path, *overrides, base="tiny-cpu.yaml"):
+    return load_config(config_path(base), list(overrides))
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "small-cpu.yaml", "europa-952b.yaml",
+                                  "kimi-k2.yaml"])
+def test_shipped_configs_load(name):
+    assert load_config(config_path(name)).model.n_layers > 0
+
+
+ERRORS = [
+    (["model.n_layer=3"], r"model\.n_layer: unknown key; did you mean 'model\.n_layers'\?"),
+    (["modle.d_model=3"], r"modle: unknown key; did you mean 'model'\?"),
+    (["model.d_model=abc"], r"model\.d_model: expected int, got 'abc'"),
+    (["model.d_model=1.5"], r"model\.d_model: expected int, got 1\.5"),
+    (["model.scan_layers=3"], r"model\.scan_layers: expected bool, got 3"),
+    (["model.compute_dtype=fp8"], r"model\.compute_dtype: 'fp8' is not one of"),
+    (["model.n_routed_experts=18", "model.n_group=1", "model.topk_group=1"],
+     r"model\.n_routed_experts: 18 is not divisible by mesh\.expert=4"),
+    (["model.top_k=17"], r"model\.top_k: 17 > model\.n_routed_experts=16"),
+    (["model.n_group=3"], r"model\.n_group: 3 does not divide model\.n_routed_experts=16"),
+    (["model.topk_group=5"], r"model\.topk_group: 5 > model\.n_group=4"),
+    (["model.topk_group=1", "model.top_k=5"], r"model\.top_k: 5 > topk_group × experts per group"),
+    (["data.seq_len=200"], r"data\.seq_len: 200 is not divisible by model\.attention_block_size"),
+    (["data.global_batch_size=12"], r"data\.global_batch_size: 12 is not divisible by the "
+                                    r"mesh's 8 devices"),
+    (["model.d_model=0"], r"model\.d_model: 0 must be positive"),
+    (["model.n_dense_layers=5"], r"model\.n_dense_layers: 5 must be in \[0, model\.n_layers=3\]"),
+    (["model.qk_rope_head_dim=7"], r"model\.qk_rope_head_dim: 7 must be even"),
+    (["model.vocab_size=200"], r"model\.vocab_size: 200 < 257 needed by the byte-level"),
+    (["data.seq_len=8192"], r"data\.seq_len: 8192 > model\.max_position_embeddings=4096"),
+    (["optim.adam_b2=1.5"], r"optim\.adam_b2: 1\.5 must be in \[0, 1\]"),
+    (["model.rope_scaling.type=ntk"], r"model\.rope_scaling\.type: 'ntk' is not one of"),
+    (["mesh.data=0"], r"mesh\.data: 0 must be positive"),
+    (["train.steps"], r"--set 'train\.steps': expected KEY=VALUE"),
+    (["data.source=web"], r"data\.source: 'web' is not one of: stdlib"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", ERRORS)
+def test_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load(tmp_path, *overrides)
+    assert "\n" not in str(info.value)
+    assert "tiny-cpu.yaml" in str(info.value) or overrides == ["train.steps"]
+
+
+def test_mesh_must_match_device_count():
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    check_device_count(cfg, 8)
+    with pytest.raises(ConfigError, match=r"mesh: data×expert = 2×4 = 8 but the job has 4"):
+        check_device_count(cfg, 4)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("model: {d_model: 8}\n")
+    with pytest.raises(ConfigError, match=r"model\.vocab_size: required key is missing"):
+        load_config(missing)
+
+
+def test_overrides_apply_and_parse_numbers():
+    cfg = load_config(config_path("tiny-cpu.yaml"), ["optim.learning_rate=1e-4",
+                                                     "model.rope_scaling.factor=8"])
+    assert cfg.optim.learning_rate == 1e-4 and cfg.model.rope_scaling.factor == 8.0

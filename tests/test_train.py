@@ -1,0 +1,119 @@
+"""The sharded train step: mesh-independent numerics, learning, metrics, CLI."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from europa_jax import sharding, train
+from europa_jax.config import MeshConfig
+from conftest import REPO, config_path
+
+
+def fixed_batch(cfg):
+    it = train.host_batch_iterator(cfg)
+    return next(it)
+
+
+def loss_and_grads_on(cfg, mesh_cfg, devices):
+    cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
+    mesh = sharding.make_mesh(mesh_cfg, devices)
+    trainer = train.build_trainer(cfg, mesh)
+    state = train.init_state(trainer, seed=0)
+    batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in fixed_batch(cfg).items()}
+    bias = jnp.asarray(np.random.default_rng(0).normal(size=state.router_bias_LE.shape) * 0.01,
+                       jnp.float32)
+
+    def loss_fn(params):
+        return train.loss_and_stats(trainer.model, params, bias, batch)[0]
+
+    with jax.set_mesh(mesh), sharding.activation_sharding(mesh):
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state.params)
+        new_state, _ = train.jit_train_step(trainer)(state, batch)
+    return jax.device_get((loss, grads, new_state.params))
+
+
+def test_same_loss_and_gradients_on_2x4_mesh_and_one_device(tiny_cfg):
+    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model,
+                                                                  remat="none"))
+    devices = jax.devices()
+    loss1, grads1, params1 = loss_and_grads_on(cfg, MeshConfig(data=1, expert=1), devices[:1])
+    loss8, grads8, params8 = loss_and_grads_on(cfg, MeshConfig(data=2, expert=4), devices)
+    np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+    for path, g8 in jax.tree_util.tree_flatten_with_path(grads8)[0]:
+        g1 = dict(jax.tree_util.tree_flatten_with_path(grads1)[0])[path]
+        np.testing.assert_allclose(g8, g1, rtol=2e-3, atol=2e-6, err_msg=str(path))
+    for p8, p1 in zip(jax.tree.leaves(params8), jax.tree.leaves(params1)):
+        np.testing.assert_allclose(p8, p1, rtol=2e-3, atol=2e-5)
+
+
+def test_repeated_steps_lower_the_loss_on_a_fixed_batch(tiny_cfg):
+    tiny_cfg = dataclasses.replace(tiny_cfg, optim=dataclasses.replace(tiny_cfg.optim,
+                                                                       warmup_steps=0))
+    mesh = sharding.make_mesh(tiny_cfg.mesh)
+    trainer = train.build_trainer(tiny_cfg, mesh)
+    state = train.init_state(trainer, seed=0)
+    batch = {k: jax.device_put(v, trainer.batch_sharding)
+             for k, v in fixed_batch(tiny_cfg).items()}
+    step = train.jit_train_step(trainer)
+    losses = []
+    with jax.set_mesh(mesh), sharding.activation_sharding(mesh):
+        for _ in range(6):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            assert float(metrics["moe_dropped_fraction"]) == 0.0
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert int(state.step) == 6
+    assert np.any(np.asarray(state.router_bias_LE) != 0)  # balancing bias moved
+
+
+def test_train_state_is_sharded_as_the_rules_say(tiny_cfg):
+    mesh = sharding.make_mesh(tiny_cfg.mesh)
+    trainer = train.build_trainer(tiny_cfg, mesh)
+    state = train.init_state(trainer, seed=0)
+    w_up = state.params["moe_layers"]["moe"]["w_up"]
+    assert w_up.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "data", None)
+    local = w_up.addressable_shards[0].data.shape
+    assert local == (w_up.shape[0], w_up.shape[1] // 4, w_up.shape[2] // 2, w_up.shape[3])
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_cli_train_writes_metrics_jsonl(tmp_path):
+    result = run_cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path),
+                     "--set", "train.steps=3", "--set", "train.log_every=1",
+                     "--set", "model.d_model=32", "--set", "data.seq_len=128")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s_per_device",
+                "mfu", "expert_load_max_over_mean", "moe_dropped_fraction"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    assert records[-1]["moe_dropped_fraction"] == 0.0 and records[-1]["mfu"] > 0
+    assert "step 3/3" in result.stdout  # plain progress lines when not on a terminal
+
+
+def test_cli_count_europa_matches_the_recipe():
+    result = run_cli("count", config_path("europa-952b.yaml"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert abs(report["total_params"] / 951.9e9 - 1) < 0.005
+    assert abs(report["active_params"] / 32.8e9 - 1) < 0.005
+    assert report["muon_fraction"] >= 0.99
+
+
+def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
+    result = run_cli("train", config_path("tiny-cpu.yaml"), "--set", "model.top_k=99")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "model.top_k: 99 > model.n_routed_experts=16" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
