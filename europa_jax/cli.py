@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=2))
             return 0
         _use_cpu_devices(cfg.mesh.n_devices)
-        from europa_jax.train import train
+        from europa_jax.loop import train
 
         records = train(cfg, args.run_dir)
         print(json.dumps({"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],

@@ -59,7 +59,7 @@ def causal_pairs(segment_ids_BS: np.ndarray) -> int:
 
 
 def train_flops(cfg: ModelConfig, n_tokens: int, n_attention_pairs: int) -> float:
-    """Forward + backward FLOPs of one step: 6·N per token plus 6·(QKᵀ + PV) per visible pair."""
+    """Forward + backward FLOPs: 6·N per token plus, in every layer, 6·(QKᵀ + PV) per visible pair."""
     matmul = 6.0 * matmul_params_per_token(cfg) * n_tokens
-    per_pair = 2.0 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    per_pair = 2.0 * cfg.n_layers * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     return matmul + 3.0 * per_pair * n_attention_pairs

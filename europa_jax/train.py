@@ -1,4 +1,4 @@
-"""Train state, the pure train step, and the loop that logs `metrics.jsonl`.
+"""Train state and the pure train step (the loop that runs it is loop.py).
 
 State is built shape-only first (`jax.eval_shape`), shardings are derived from the
 logical names, and only then is a jitted init run with `out_shardings`: no array is ever
@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import sys
-import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import data, flops, optim, sharding
-from europa_jax.config import Config, check_device_count, to_dict
+from europa_jax import optim, sharding
+from europa_jax.config import Config
 from europa_jax.model.moe import updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
 
@@ -168,82 +163,3 @@ def jit_train_step(trainer: Trainer):
     step = functools.partial(train_step, model=trainer.model, tx=trainer.tx, cfg=trainer.cfg)
     return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding),
                    out_shardings=(trainer.state_shardings, None), donate_argnums=0)
-
-
-def device_batches(trainer: Trainer, host_batches: Iterator[dict[str, np.ndarray]]):
-    """Each process's rows → one global array sharded over the mesh (no host gathers)."""
-    for host_batch in host_batches:
-        yield host_batch, {k: jax.make_array_from_process_local_data(trainer.batch_sharding, v)
-                           for k, v in host_batch.items()}
-
-
-def host_batch_iterator(cfg: Config):
-    return data.make_batch_iterator(
-        source=cfg.data.source, seq_len=cfg.data.seq_len,
-        global_batch_size=cfg.data.global_batch_size, seed=cfg.data.seed,
-        max_documents=cfg.data.max_documents, process_index=jax.process_index(),
-        process_count=jax.process_count())
-
-
-def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
-    """Run `cfg.train.steps` steps; returns the logged metrics (also in metrics.jsonl)."""
-    check_device_count(cfg, jax.device_count())
-    run_dir = Path(run_dir or cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = build_trainer(cfg, mesh)
-    state = init_state(trainer, cfg.train.seed)
-    step_fn = jit_train_step(trainer)
-    peak = cfg.train.peak_flops_per_device.get(jax.devices()[0].platform, float("nan"))
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    logged = []
-    progress = _progress(cfg.train.steps)
-    with (run_dir / "metrics.jsonl").open("w") as log, jax.set_mesh(mesh), \
-            sharding.activation_sharding(mesh):
-        batches = device_batches(trainer, host_batch_iterator(cfg))
-        for step in range(cfg.train.steps):
-            host_batch, batch = next(batches)
-            start = time.perf_counter()
-            state, metrics = step_fn(state, batch)
-            metrics = jax.device_get(metrics)  # waits for the step: honest step time
-            step_time = time.perf_counter() - start
-            if step % cfg.train.log_every and step != cfg.train.steps - 1:
-                progress(step, metrics)
-                continue
-            pairs = flops.causal_pairs(host_batch["segment_ids"]) * jax.process_count()
-            step_flops = flops.train_flops(cfg.model, tokens_per_step, pairs)
-            record = {"step": step + 1, **{k: float(v) for k, v in metrics.items()},
-                      "step_time_s": step_time,
-                      "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
-                      "mfu": step_flops / step_time / jax.device_count() / peak,
-                      "compiled": step == 0}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            logged.append(record)
-            progress(step, metrics)
-    progress(None, None)
-    return logged
-
-
-def _progress(total: int):
-    """A tqdm bar on a terminal; plain lines (for Slurm logs) otherwise."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="step")
-
-        def update(step, metrics):
-            if step is None:
-                return bar.close()
-            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", refresh=False)
-            bar.update(1)
-
-        return update
-
-    def line(step, metrics):
-        if step is not None and (step % 10 == 0 or step == total - 1):
-            print(f"step {step + 1}/{total} loss {float(metrics['loss']):.4f} "
-                  f"grad_norm {float(metrics['grad_norm']):.3f}", flush=True)
-
-    return line

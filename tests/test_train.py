@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax import sharding, train
+from europa_jax import loop, sharding, train
 from europa_jax.config import MeshConfig
 from conftest import REPO, config_path
 
 
 def fixed_batch(cfg):
-    it = train.host_batch_iterator(cfg)
+    it = loop.host_batch_iterator(cfg)
     return next(it)
 
 
