@@ -42,7 +42,7 @@ def time_steps(cfg, steps: int) -> tuple[float, float]:
     step_fn = train.jit_train_step(trainer)
     batches = loop.device_batches(trainer, loop.host_batch_iterator(cfg))
     times, step_flops = [], 0.0
-    with jax.set_mesh(mesh), sharding.activation_sharding(mesh):
+    with jax.set_mesh(mesh):
         for i in range(steps + 1):
             host_batch, batch = next(batches)
             start = time.perf_counter()

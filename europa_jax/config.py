@@ -80,6 +80,9 @@ class ModelConfig:
     attention_block_size: int = 512
     # Expert matmuls: ragged_dot (GPU/TPU kernels) or blocked (exact, fast on XLA:CPU).
     grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = "auto"
+    # null = dropless (exchange buffers sized for the worst case). A float bounds rows per
+    # peer to ceil(factor · T·K / ep); rows past it are dropped (moe_dropped_fraction).
+    moe_capacity_factor: float | None = None
     scan_layers: bool = True
     remat: Literal["none", "full"] = "full"
 
@@ -109,6 +112,9 @@ class ModelConfig:
         if self.n_group > 1 and experts_per_group < 2:
             raise ConfigError(f"model.n_group: {self.n_group} leaves {experts_per_group} expert per "
                               "group; group scores sum each group's top-2 experts")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"model.moe_capacity_factor: {self.moe_capacity_factor} must be "
+                              "positive or null (dropless)")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (RoPE "
                               "rotates pairs)")
@@ -132,6 +138,8 @@ class MeshConfig:
 
     data: int = 1
     expert: int = 1
+    # Expert groups spanning nodes put the MoE all-to-all on InfiniBand: refused unless set.
+    allow_cross_node_experts: bool = False
 
     def __post_init__(self):
         _positive(self, "data", "expert")
@@ -139,6 +147,17 @@ class MeshConfig:
     @property
     def n_devices(self) -> int:
         return self.data * self.expert
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """Wire dtypes of the FSDP traffic and the MoE exchange implementation (comm.py)."""
+
+    weight_gather_dtype: Literal["fp8", "bf16", "fp32"] = "fp32"
+    grad_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+    # ragged_all_to_all on GPU/TPU; dense all_to_all of worst-case buffers elsewhere.
+    expert_exchange: Literal["auto", "dense", "ragged"] = "auto"
+    expert_exchange_dtype: Literal["bf16", "fp32"] = "fp32"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +225,7 @@ class TrainConfig:
 class Config:
     model: ModelConfig
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

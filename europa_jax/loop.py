@@ -45,8 +45,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     logged = []
     progress = _progress(cfg.train.steps)
-    with (run_dir / "metrics.jsonl").open("w") as log, jax.set_mesh(mesh), \
-            sharding.activation_sharding(mesh):
+    with (run_dir / "metrics.jsonl").open("w") as log, jax.set_mesh(mesh):
         batches = device_batches(trainer, host_batch_iterator(cfg))
         for step in range(cfg.train.steps):
             host_batch, batch = next(batches)

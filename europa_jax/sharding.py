@@ -12,22 +12,22 @@ logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]
 `P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
 over it; `replicated_over` reports that so `count`/planning can show the cost.
 
-Axis type: we use `AxisType.Auto` (GSPMD propagation). Model code stays free of mesh
-names and only pins shardings through `constrain` with logical names; Explicit axes
-would need an `out_sharding` on every op of the model.
+Axis type: `AxisType.Auto`. The forward/backward pass is one explicit `shard_map`
+(train.py, comm.py), where axis types play no role; what remains outside it — the
+optimizer update on sharded parameters, sharded init — is elementwise or left to GSPMD
+(Muon's Newton–Schulz gathers whole matrices), which Explicit axes would force us to
+annotate op by op for no gain.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from europa_jax.config import ConfigError, MeshConfig
 
@@ -66,13 +66,42 @@ FALLBACK_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh `(data, expert)` with `expert` the fastest-varying axis (consecutive devices)."""
-    devices = list(jax.devices() if devices is None else devices)
+def arrange_devices(devices: Sequence[Any], mesh_cfg: MeshConfig,
+                    node_of_process: Mapping[int, str] | None = None) -> np.ndarray:
+    """Devices as a [data, expert] grid whose every `expert` row lies inside one node.
+
+    Works for one process per node (its local devices form a row) and one process per
+    GPU (consecutive ranks of a node form a row): devices are ordered by (node, process,
+    id) and cut into rows. `node_of_process` maps process index → node name; by default
+    every process is its own node. A row spanning two nodes would put the MoE all-to-all
+    on the inter-node network, so it is an error unless `mesh.allow_cross_node_experts`.
+    """
+    devices = list(devices)
     if mesh_cfg.n_devices != len(devices):
         raise ConfigError(f"mesh: data×expert = {mesh_cfg.data}×{mesh_cfg.expert} = "
                           f"{mesh_cfg.n_devices} but there are {len(devices)} devices")
-    grid = np.array(devices, dtype=object).reshape(mesh_cfg.data, mesh_cfg.expert)
+    node_of_process = node_of_process or {}
+    node = lambda dev: str(node_of_process.get(dev.process_index, dev.process_index))
+    ordered = sorted(devices, key=lambda dev: (node(dev), dev.process_index, dev.id))
+    grid = np.empty(len(ordered), dtype=object)
+    grid[:] = ordered
+    grid = grid.reshape(mesh_cfg.data, mesh_cfg.expert)
+    if not mesh_cfg.allow_cross_node_experts:
+        for row in grid:
+            nodes = sorted({node(dev) for dev in row})
+            if len(nodes) > 1:
+                raise ConfigError(
+                    f"mesh.expert: {mesh_cfg.expert} puts devices of nodes {nodes} in one expert "
+                    "group, so the MoE all-to-all would cross the network; use an expert axis "
+                    "that divides the devices per node or set mesh.allow_cross_node_experts: true")
+    return grid
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None,
+              node_of_process: Mapping[int, str] | None = None) -> Mesh:
+    """Mesh `(data, expert)`; `expert` groups the devices of one node (see arrange_devices)."""
+    grid = arrange_devices(jax.devices() if devices is None else devices, mesh_cfg,
+                           node_of_process)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -138,27 +167,3 @@ def specs_for(boxed_tree: Any, mesh_shape: dict[str, int]) -> Any:
 
 def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
-
-
-# ----------------------------------------------------------------------------- activations
-
-_ACTIVE_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh):
-    """While tracing inside this context, `constrain` pins activations to `mesh`."""
-    token = _ACTIVE_MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _ACTIVE_MESH.reset(token)
-
-
-def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op outside `activation_sharding`."""
-    mesh = _ACTIVE_MESH.get()
-    if mesh is None:
-        return x
-    spec = resolve_spec(logical_axes, x.shape, mesh_shape_of(mesh))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

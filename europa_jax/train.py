@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import optim, sharding
-from europa_jax.config import Config
+from europa_jax import comm, optim, sharding
+from europa_jax.config import Config, ConfigError
 from europa_jax.model.moe import updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
 
@@ -45,6 +45,23 @@ class Trainer:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     abstract_params: Any  # ShapeDtypeStructs, unboxed
+    param_specs: Any  # PartitionSpecs of the parameters
+    spmd: comm.SpmdContext
+
+    def loss(self, params, router_bias_LE, batch: Batch):
+        """`loss_and_stats` run as one shard_map over the whole mesh (explicit SPMD).
+
+        Inside, every device holds its batch rows and parameter shards; the model gathers
+        each weight where it is used and exchanges MoE tokens itself (comm.py), so all
+        communication of the forward and backward pass is explicit in the lowered HLO.
+        """
+        batch_spec = self.batch_sharding.spec
+        body = functools.partial(_loss_in_context, self.spmd, self.model)
+        sharded = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}),
+            out_specs=(P(), P()), check_vma=False)
+        entry = comm.param_entry_dtype(self.spmd)
+        return sharded(jax.tree.map(lambda p: p.astype(entry), params), router_bias_LE, batch)
 
 
 def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
@@ -79,7 +96,22 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
                                                           cfg.data.seq_len),
                                        sharding.mesh_shape_of(mesh))
     return Trainer(cfg, mesh, model, tx, state_shardings, NamedSharding(mesh, batch_spec),
-                   abstract_params)
+                   abstract_params, param_specs, spmd_context(cfg, mesh))
+
+
+def spmd_context(cfg: Config, mesh: Mesh) -> comm.SpmdContext:
+    exchange = cfg.comm.expert_exchange
+    backend = jax.default_backend()
+    if exchange == "auto":
+        exchange = "dense" if backend == "cpu" else "ragged"
+    if exchange == "ragged" and backend == "cpu":
+        raise ConfigError("comm.expert_exchange: 'ragged' needs ragged_all_to_all, which XLA:CPU "
+                          "lacks; use 'dense' or 'auto' on CPU")
+    return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh),
+                            weight_gather_dtype=cfg.comm.weight_gather_dtype,
+                            grad_reduce_dtype=cfg.comm.grad_reduce_dtype,
+                            expert_exchange=exchange,
+                            expert_exchange_dtype=cfg.comm.expert_exchange_dtype)
 
 
 def shardings_like_params(tree: Any, abstract_params: Any, param_shardings: Any,
@@ -106,8 +138,7 @@ def shardings_like_params(tree: Any, abstract_params: Any, param_shardings: Any,
     return jax.tree_util.tree_map_with_path(choose, tree)
 
 
-def init_state(trainer: Trainer, seed: int) -> TrainState:
-    """Parameters and optimizer state created directly in their shards."""
+def _init_fn(trainer: Trainer):
     cfg = trainer.cfg
 
     def init(key):
@@ -119,12 +150,39 @@ def init_state(trainer: Trainer, seed: int) -> TrainState:
                           opt_state=trainer.tx.init(params),
                           router_bias_LE=init_router_bias(cfg.model))
 
+    return init
+
+
+def init_state(trainer: Trainer, seed: int) -> TrainState:
+    """Parameters and optimizer state created directly in their shards."""
     with jax.set_mesh(trainer.mesh):
-        return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
+        return jax.jit(_init_fn(trainer), out_shardings=trainer.state_shardings)(
+            jax.random.key(seed))
+
+
+def abstract_state(trainer: Trainer) -> TrainState:
+    """Shapes, dtypes and shardings of the train state: for AOT lowering and restore."""
+    shapes = jax.eval_shape(_init_fn(trainer), jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, trainer.state_shardings)
+
+
+def abstract_batch(trainer: Trainer) -> Batch:
+    shape = (trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+            for k in ("tokens", "segment_ids", "positions")}
+
+
+def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_bias_LE, batch):
+    with comm.spmd(ctx):
+        return loss_and_stats(model, params, router_bias_LE, batch)
 
 
 def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
-    """Mean next-token cross entropy over tokens whose successor is in the same document."""
+    """Mean next-token cross entropy over tokens whose successor is in the same document.
+
+    Sums are taken over every device under SPMD (comm.psum_all), so the mean is global.
+    """
     logits_BSV, stats = model.apply({"params": params}, batch["tokens"], batch["segment_ids"],
                                     batch["positions"], router_bias_LE)
     tokens_BS, segments_BS = batch["tokens"], batch["segment_ids"]
@@ -132,14 +190,14 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
     same_doc_BS = (jnp.roll(segments_BS, -1, axis=1) == segments_BS) & (segments_BS > 0)
     weight_BS = same_doc_BS.at[:, -1].set(False).astype(jnp.float32)
     nll_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
-    loss = jnp.sum(nll_BS * weight_BS) / jnp.maximum(weight_BS.sum(), 1.0)
-    return loss, stats
+    total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
+    return total[0] / jnp.maximum(total[1], 1.0), stats
 
 
-def train_step(state: TrainState, batch: Batch, *, model: Transformer,
-               tx: optax.GradientTransformation, cfg: Config):
+def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """One optimizer step; pure, so it is jitted once with shardings and donation."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_and_stats, model), has_aux=True)
+    cfg, tx = trainer.cfg, trainer.tx
+    grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
     (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -154,12 +212,15 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
         "expert_load_max_over_mean": jnp.mean(load_LE.max(-1) / load_LE.mean(-1)),
         "moe_dropped_fraction": 1.0 - stats["processed_copies"].sum()
         / stats["routed_copies"].sum(),
+        # token rows that crossed devices in the MoE exchange, per routed token copy
+        "moe_exchanged_rows_per_copy": stats["exchanged_rows"].sum()
+        / stats["routed_copies"].sum(),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                       router_bias_LE=router_bias_LE), metrics
 
 
 def jit_train_step(trainer: Trainer):
-    step = functools.partial(train_step, model=trainer.model, tx=trainer.tx, cfg=trainer.cfg)
+    step = functools.partial(train_step, trainer=trainer)
     return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding),
                    out_shardings=(trainer.state_shardings, None), donate_argnums=0)

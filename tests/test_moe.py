@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.model.moe import MoE, grouped_swiglu, route, sort_by_expert
+from europa_jax.model.moe import MoE, compute_local_experts, dispatch_layout, grouped_swiglu, route
 
 
 @pytest.fixture
@@ -100,11 +100,44 @@ def test_blocked_grouped_matmul_equals_ragged_dot(assignment):
     ref = grouped_swiglu(x, w1, w2, w3, sizes, impl="ragged_dot")
     out = grouped_swiglu(x, w1, w2, w3, sizes, impl="blocked", block_rows=16)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    if assignment == "empty_experts":  # rows past sum(sizes) are zeros in both
+        short = sizes.at[3].set(40)
+        out = grouped_swiglu(x, w1, w2, w3, short, impl="blocked", block_rows=16)
+        np.testing.assert_array_equal(out[90:], 0)
+        np.testing.assert_allclose(out[:90], ref[:90], rtol=1e-5, atol=1e-5)
 
 
-def test_sort_by_expert_groups_copies():
-    experts = jnp.asarray([[2, 0], [2, 1], [0, 2]])
-    order, token, sizes = sort_by_expert(experts, 4)
-    assert list(np.asarray(sizes)) == [2, 1, 3, 0]
-    assert list(np.asarray(experts.reshape(-1)[order])) == [0, 0, 1, 2, 2, 2]
-    assert list(np.asarray(token)) == [0, 2, 1, 0, 1, 2]
+def test_dispatch_layout_sends_one_row_per_destination_device():
+    # 8 experts on 2 devices (4 each). Token 0 → experts 1, 2 (both device 0): one row.
+    experts = jnp.asarray([[1, 2], [1, 5], [6, 7]])
+    dest, kept, index = dispatch_layout(experts, ep=2, experts_per_device=4, capacity=3)
+    assert np.asarray(dest).tolist() == [[0, 0], [0, 1], [1, 1]]
+    assert np.asarray(kept).tolist() == [[True, False], [True, True], [False, True]]
+    # region j starts at j·capacity; rows fill it in token order; unsent → out of range (6)
+    assert np.asarray(index).tolist() == [[0, 6], [1, 3], [6, 4]]
+
+
+def test_capacity_drops_rows_past_the_slot_limit():
+    experts = jnp.asarray([[0], [0], [0], [1]])
+    _, kept, index = dispatch_layout(experts, ep=2, experts_per_device=1, capacity=2)
+    assert np.asarray(kept[:, 0]).tolist() == [True, True, False, False]
+    assert int(index[2, 0]) == 4  # dropped: out of range
+
+
+def test_compute_local_experts_ignores_rows_without_local_experts():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    w1, w2 = (jnp.asarray(rng.normal(size=(3, 8, 5)), jnp.float32) for _ in range(2))
+    w3 = jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32)
+    experts = jnp.asarray([[0, 2], [-1, -1], [1, -1], [2, 2]])
+    weights = jnp.asarray([[0.5, 0.25], [9.0, 9.0], [2.0, 9.0], [1.0, 1.0]])
+    y, sizes = compute_local_experts(x, experts, weights, w1, w2, w3, impl="blocked")
+
+    def expert(e, v):
+        return (jax.nn.silu(v @ w1[e]) * (v @ w2[e])) @ w3[e]
+
+    np.testing.assert_allclose(y[0], 0.5 * expert(0, x[0]) + 0.25 * expert(2, x[0]), rtol=1e-5)
+    np.testing.assert_array_equal(y[1], 0)
+    np.testing.assert_allclose(y[2], 2.0 * expert(1, x[2]), rtol=1e-5)
+    np.testing.assert_allclose(y[3], 2.0 * expert(2, x[3]), rtol=1e-5)
+    assert np.asarray(sizes).tolist() == [1, 1, 3]

@@ -85,3 +85,38 @@ def test_kimi_experts_fall_back_to_splitting_experts_over_nodes():
     w_up = dict(boxed_leaves(cfg))["['moe_layers']['moe']['w_up']"]  # F=2048: no factor 3
     spec = sharding.resolve_spec(w_up.names, w_up.value.shape, MESH_96x4)
     assert spec == P(None, ("expert", "data"), None, None)
+
+
+class FakeDevice:
+    def __init__(self, id, process_index):
+        self.id, self.process_index = id, process_index
+
+    def __repr__(self):
+        return f"d{self.id}@p{self.process_index}"
+
+
+def test_one_process_per_node_rows_are_each_process_devices():
+    devices = [FakeDevice(i, i // 4) for i in reversed(range(16))]  # 4 nodes × 4 GPUs
+    grid = sharding.arrange_devices(devices, MeshConfig(data=4, expert=4))
+    assert [[d.process_index for d in row] for row in grid] == [[p] * 4 for p in range(4)]
+    assert [d.id for d in grid[1]] == [4, 5, 6, 7]
+
+
+def test_one_process_per_gpu_groups_consecutive_ranks_of_a_node():
+    devices = [FakeDevice(i, i) for i in range(8)]  # 8 ranks, 4 per node
+    nodes = {p: f"node{p // 4}" for p in range(8)}
+    grid = sharding.arrange_devices(devices, MeshConfig(data=2, expert=4), nodes)
+    assert [[d.process_index for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Ranks interleaved across nodes (cyclic placement) are regrouped by node.
+    cyclic = {p: f"node{p % 2}" for p in range(8)}
+    grid = sharding.arrange_devices(devices, MeshConfig(data=2, expert=4), cyclic)
+    assert [[d.process_index for d in row] for row in grid] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_expert_group_crossing_nodes_is_refused_unless_allowed():
+    devices = [FakeDevice(i, i // 2) for i in range(8)]  # 4 nodes × 2 GPUs
+    with pytest.raises(ConfigError, match=r"mesh\.expert: 4 puts devices of nodes \['0', '1'\]"):
+        sharding.arrange_devices(devices, MeshConfig(data=2, expert=4))
+    grid = sharding.arrange_devices(devices, MeshConfig(data=2, expert=4,
+                                                        allow_cross_node_experts=True))
+    assert grid.shape == (2, 4)

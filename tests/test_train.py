@@ -32,7 +32,7 @@ def loss_and_grads_on(cfg, mesh_cfg, devices):
     def loss_fn(params):
         return train.loss_and_stats(trainer.model, params, bias, batch)[0]
 
-    with jax.set_mesh(mesh), sharding.activation_sharding(mesh):
+    with jax.set_mesh(mesh):
         loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state.params)
         new_state, _ = train.jit_train_step(trainer)(state, batch)
     return jax.device_get((loss, grads, new_state.params))
@@ -62,7 +62,7 @@ def test_repeated_steps_lower_the_loss_on_a_fixed_batch(tiny_cfg):
              for k, v in fixed_batch(tiny_cfg).items()}
     step = train.jit_train_step(trainer)
     losses = []
-    with jax.set_mesh(mesh), sharding.activation_sharding(mesh):
+    with jax.set_mesh(mesh):
         for _ in range(6):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))

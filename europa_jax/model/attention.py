@@ -26,13 +26,13 @@ class MLAttention(nn.Module):
         cfg, dt = self.cfg, x_BSD.dtype
         d, h, q_rank, kv_rank = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
         n, p, o = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        w_q_a_DQ = weight(self, "w_q_a", (d, q_rank), ("embed", "q_lora"), cfg).astype(dt)
+        w_q_a_DQ = weight(self, "w_q_a", (d, q_rank), ("embed", "q_lora"), cfg, dtype=dt)
         w_q_b_QHK = weight(self, "w_q_b", (q_rank, h, n + p), ("q_lora", "heads", "head_dim"),
-                           cfg).astype(dt)
-        w_kv_a_DA = weight(self, "w_kv_a", (d, kv_rank + p), ("embed", "kv_lora"), cfg).astype(dt)
+                           cfg, dtype=dt)
+        w_kv_a_DA = weight(self, "w_kv_a", (d, kv_rank + p), ("embed", "kv_lora"), cfg, dtype=dt)
         w_kv_b_AHK = weight(self, "w_kv_b", (kv_rank, h, n + o), ("kv_lora", "heads", "head_dim"),
-                            cfg).astype(dt)
-        w_o_HOD = weight(self, "w_o", (h, o, d), ("heads", "head_dim", "embed"), cfg).astype(dt)
+                            cfg, dtype=dt)
+        w_o_HOD = weight(self, "w_o", (h, o, d), ("heads", "head_dim", "embed"), cfg, dtype=dt)
 
         q_latent_BSQ = RMSNorm(cfg, q_rank, name="q_a_norm")(x_BSD @ w_q_a_DQ)
         q_BSHK = jnp.einsum("bsq,qhk->bshk", q_latent_BSQ, w_q_b_QHK)

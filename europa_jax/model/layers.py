@@ -12,19 +12,28 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from europa_jax import comm
 from europa_jax.config import ModelConfig, RopeScalingConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           cfg: ModelConfig, *, init: str = "normal") -> jax.Array:
-    """A parameter that carries its logical axis names (sharding.py maps them to the mesh)."""
+           cfg: ModelConfig, *, init: str = "normal", dtype=None, matmul: bool = True) -> jax.Array:
+    """A parameter with logical axis names, returned ready to compute with.
+
+    The stored parameter (fp32 master, sharded by sharding.py's rules) is gathered to
+    its full shape for this layer by `comm.gather_weight` — FSDP, in fp8/bf16/fp32 as
+    configured — and cast to `dtype` (default: the compute dtype). Outside the SPMD step
+    it is only cast.
+    """
     assert len(shape) == len(axes), (name, shape, axes)
     initializer = {"normal": nn.initializers.normal(cfg.init_std),
                    "ones": nn.initializers.ones, "zeros": nn.initializers.zeros}[init]
     boxed_init = nn.with_logical_partitioning(initializer, axes)
-    return module.param(name, boxed_init, shape, DTYPES[cfg.param_dtype])
+    # Under SPMD the module sees its shard; Flax checks the stored shape against this.
+    w = module.param(name, boxed_init, comm.local_shape(axes, shape), DTYPES[cfg.param_dtype])
+    return comm.gather_weight(w, axes, shape, dtype or DTYPES[cfg.compute_dtype], matmul=matmul)
 
 
 class RMSNorm(nn.Module):
@@ -35,11 +44,12 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        scale_D = weight(self, "scale", (self.dim,), ("norm",), self.cfg, init="ones")
+        scale_D = weight(self, "scale", (self.dim,), ("norm",), self.cfg, init="ones",
+                         dtype=jnp.float32, matmul=False)
         x32_BSD = x_BSD.astype(jnp.float32)
         var_BS1 = jnp.mean(jnp.square(x32_BSD), axis=-1, keepdims=True)
         y_BSD = x32_BSD * jax.lax.rsqrt(var_BS1 + self.cfg.rms_norm_eps)
-        return (scale_D.astype(jnp.float32) * y_BSD).astype(x_BSD.dtype)
+        return (scale_D * y_BSD).astype(x_BSD.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -52,9 +62,9 @@ class SwiGLU(nn.Module):
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_BSD.dtype
         d, f = cfg.d_model, self.ffn_dim
-        w_gate_DF = weight(self, "w_gate", (d, f), ("embed", "mlp"), cfg).astype(dt)
-        w_up_DF = weight(self, "w_up", (d, f), ("embed", "mlp"), cfg).astype(dt)
-        w_down_FD = weight(self, "w_down", (f, d), ("mlp", "embed"), cfg).astype(dt)
+        w_gate_DF = weight(self, "w_gate", (d, f), ("embed", "mlp"), cfg, dtype=dt)
+        w_up_DF = weight(self, "w_up", (d, f), ("embed", "mlp"), cfg, dtype=dt)
+        w_down_FD = weight(self, "w_down", (f, d), ("mlp", "embed"), cfg, dtype=dt)
         gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
         up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
         return jnp.einsum("bsf,fd->bsd", nn.silu(gate_BSF) * up_BSF, w_down_FD)

@@ -1,7 +1,8 @@
 """DeepSeek-V3 mixture of experts: sigmoid router, group-limited top-k, shared expert.
 
 Shape legend: B batch, S sequence, T tokens (B·S), D model width, E routed experts,
-G expert groups, F expert ffn width, K experts chosen per token (top-k), M = T·K token copies.
+G expert groups, F expert ffn width, K experts chosen per token (top-k), M = R·K copies,
+J peers on the expert axis, C rows per peer (capacity), R = J·C rows received.
 
 Routing (DeepSeek-V3 §2.1.2, arXiv:2412.19437): scores = sigmoid(x·W_router). A per-expert
 bias, updated outside the gradient (aux-loss-free balancing), is added to the scores only
@@ -12,11 +13,14 @@ two best biased scores), then its top-k experts inside those groups.
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from europa_jax import comm
 from europa_jax.config import ModelConfig
 from europa_jax.model.layers import SwiGLU, weight
 
@@ -39,18 +43,9 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
     return weights_TK * cfg.routed_scaling_factor, experts_TK.astype(jnp.int32)
 
 
-def sort_by_expert(experts_TK: jax.Array, n_experts: int):
-    """Order token copies by expert: (order [M], token of each sorted copy [M], sizes [E])."""
-    experts_M = experts_TK.reshape(-1)
-    order_M = jnp.argsort(experts_M, stable=True)
-    token_M = order_M // experts_TK.shape[1]
-    group_sizes_E = jnp.bincount(experts_M, length=n_experts).astype(jnp.int32)
-    return order_M, token_M, group_sizes_E
-
-
 def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, impl: str,
                    block_rows: int = 256):
-    """SwiGLU per expert on rows already sorted by expert, dropless.
+    """SwiGLU per expert on rows sorted by expert; rows past sum(group_sizes) give zeros.
 
     `ragged_dot`: one grouped matmul per weight (the GPU/TPU kernel). XLA:CPU lowers
     ragged_dot to a dense masked matmul over *all* experts (E× the FLOPs), so on CPU we
@@ -68,27 +63,22 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
     padded_sizes_E = -(-group_sizes_E // y) * y
     start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
     padded_end_E = jnp.cumsum(padded_sizes_E)
-    expert_M = jnp.repeat(jnp.arange(e), group_sizes_E, total_repeat_length=m)
+    expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(m),
+                                            side="right"), e - 1)
+    valid_M = jnp.arange(m) < group_sizes_E.sum()
     row_M = padded_end_E[expert_M] - padded_sizes_E[expert_M] + jnp.arange(m) - start_E[expert_M]
+    row_M = jnp.where(valid_M, row_M, n_blocks * y)  # out of range: dropped / filled with 0
     block_expert_N = jnp.minimum(
         jnp.searchsorted(padded_end_E, jnp.arange(n_blocks) * y, side="right"), e - 1)
 
     def blocked(rows_MI, w_EIO):
         rows_NYI = jnp.zeros((n_blocks * y, rows_MI.shape[1]), rows_MI.dtype).at[row_M].set(
-            rows_MI).reshape(n_blocks, y, -1)
+            rows_MI, mode="drop").reshape(n_blocks, y, -1)
         out_NYO = jnp.einsum("nyi,nio->nyo", rows_NYI, w_EIO[block_expert_N])
-        return out_NYO.reshape(n_blocks * y, -1)[row_M]
+        return out_NYO.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
 
     hidden_MF = nn.silu(blocked(x_MD, w_gate_EDF)) * blocked(x_MD, w_up_EDF)
     return blocked(hidden_MF, w_down_EFD)
-
-
-def combine(y_sorted_MD, order_M, weights_TK):
-    """Undo the sort and sum each token's K expert outputs with its gate weights."""
-    t, k = weights_TK.shape
-    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    y_TKD = y_MD.reshape(t, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK)
 
 
 def grouped_matmul_impl(cfg: ModelConfig) -> str:
@@ -97,8 +87,100 @@ def grouped_matmul_impl(cfg: ModelConfig) -> str:
     return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
+def compute_local_experts(x_RD, experts_RK, weights_RK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                          impl: str):
+    """Σ_k weight·expert_k(row) for rows whose choices index *these* experts (−1 = none).
+
+    Shared by the single-device path (rows = tokens) and the expert-parallel path (rows =
+    what peers sent). Returns the combined rows [R, D] float32 and copies per expert [E].
+    """
+    r, k = experts_RK.shape
+    e = w_gate_EDF.shape[0]
+    ids_M = jnp.where(experts_RK >= 0, experts_RK, e).reshape(-1)  # "none" sorts last
+    order_M = jnp.argsort(ids_M, stable=True)
+    sizes_E = jnp.bincount(ids_M, length=e + 1)[:e].astype(jnp.int32)
+    y_sorted_MD = grouped_swiglu(x_RD[order_M // k], w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E,
+                                 impl=impl)
+    y_sorted_MD = jnp.where((ids_M[order_M] < e)[:, None], y_sorted_MD, 0)
+    y_RKD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD).reshape(r, k, -1)
+    return jnp.einsum("rkd,rk->rd", y_RKD.astype(jnp.float32), weights_RK), sizes_E
+
+
+def dispatch_layout(experts_TK: jax.Array, ep: int, experts_per_device: int, capacity: int):
+    """Where each token goes: one row per (token, destination device), not per expert.
+
+    A token routed to several experts on one device is sent there once (group-limited
+    routing with one group per device bounds destinations by `topk_group`). Rows land in
+    per-destination regions of `capacity` slots in token order; a row whose slot is past
+    capacity is dropped (only possible with a capacity factor).
+    Returns (dest [T, K], kept [T, J] bool, flat buffer index [T, J]).
+    """
+    dest_TK = experts_TK // experts_per_device
+    sent_TJ = jnp.any(dest_TK[:, :, None] == jnp.arange(ep), axis=1)
+    slot_TJ = jnp.cumsum(sent_TJ, axis=0) - 1
+    kept_TJ = sent_TJ & (slot_TJ < capacity)
+    index_TJ = jnp.where(kept_TJ, jnp.arange(ep) * capacity + slot_TJ, ep * capacity)
+    return dest_TK, kept_TJ, index_TJ
+
+
+def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                 cfg: ModelConfig):
+    """Routed experts with expert parallelism over the mesh's `expert` axis.
+
+    Communication (per MoE layer, J = ep peers on the `expert` axis, C = capacity rows):
+      1. all_to_all int32[J]        rows per peer (so receivers know what is valid)
+      2. all_to_all x[J, C, D]      token rows, bf16/compute dtype (ragged: filled rows only)
+         all_to_all int32[J, C, K]  their local expert ids, float32[J, C, K] gate weights
+      3. grouped matmul over this device's E/J experts
+      4. all_to_all y[J, C, D]      combined outputs back to the token's device
+    With ep = 1 (one device, or no SPMD context) the exchanges are the identity.
+    """
+    ep = comm.expert_parallelism()
+    t, k = experts_TK.shape
+    d, e_local = x_TD.shape[1], w_gate_EDF.shape[0]
+    capacity = t
+    if cfg.moe_capacity_factor is not None:
+        capacity = min(t, max(1, math.ceil(cfg.moe_capacity_factor * t * k / ep)))
+    dest_TK, kept_TJ, index_TJ = dispatch_layout(experts_TK, ep, e_local, capacity)
+    rows = ep * capacity
+
+    def scatter(values_TJX, fill):  # [T, J, ...] → [J, C, ...] send buffer
+        flat = values_TJX.reshape(t * ep, *values_TJX.shape[2:])
+        buf = jnp.full((rows, *flat.shape[1:]), fill, flat.dtype)
+        return buf.at[index_TJ.reshape(-1)].set(flat, mode="drop").reshape(
+            ep, capacity, *flat.shape[1:])
+
+    peer_TKJ = dest_TK[:, :, None] == jnp.arange(ep)
+    local_TJK = jnp.where(peer_TKJ, experts_TK[:, :, None] % e_local, -1).transpose(0, 2, 1)
+    gate_TJK = jnp.where(peer_TKJ, weights_TK[:, :, None], 0.0).transpose(0, 2, 1)
+    send_counts_J = kept_TJ.sum(axis=0).astype(jnp.int32)
+    recv_counts_J = comm.exchange_counts(send_counts_J)
+    wire = comm.exchange_dtype(x_TD.dtype)
+    recv_x_JCD = comm.exchange(scatter(jnp.broadcast_to(x_TD.astype(wire)[:, None], (t, ep, d)), 0),
+                               send_counts_J, recv_counts_J).astype(x_TD.dtype)
+    recv_e_JCK = comm.exchange(scatter(local_TJK, -1), send_counts_J, recv_counts_J)
+    recv_w_JCK = comm.exchange(scatter(gate_TJK, 0.0), send_counts_J, recv_counts_J)
+    valid_JC = jnp.arange(capacity) < recv_counts_J[:, None]  # ragged leaves the rest stale
+    recv_e_JCK = jnp.where(valid_JC[..., None], recv_e_JCK, -1)
+
+    y_RD, sizes_E = compute_local_experts(
+        recv_x_JCD.reshape(rows, d), recv_e_JCK.reshape(rows, k), recv_w_JCK.reshape(rows, k),
+        w_gate_EDF, w_up_EDF, w_down_EFD, impl=grouped_matmul_impl(cfg))
+    back_JCD = comm.exchange(y_RD.astype(wire).reshape(ep, capacity, d), recv_counts_J,
+                             send_counts_J)
+    back_TJD = back_JCD.reshape(rows, d).at[index_TJ].get(mode="fill", fill_value=0)
+    y_TD = back_TJD.astype(jnp.float32).sum(axis=1)
+
+    stats = {"processed_copies": comm.psum_all(sizes_E.sum()),
+             "routed_copies": comm.psum_all(jnp.asarray(t * k, jnp.int32)),
+             # rows that leave the device: what the exchange really has to carry
+             "exchanged_rows": comm.psum_all(send_counts_J.sum() - jnp.where(
+                 jnp.arange(ep) == comm.expert_index(), send_counts_J, 0).sum())}
+    return y_TD, stats
+
+
 class MoE(nn.Module):
-    """Routed experts (dropless, single-program grouped matmul) plus shared experts."""
+    """Routed experts (dropless by default, expert-parallel under SPMD) plus shared experts."""
 
     cfg: ModelConfig
 
@@ -106,31 +188,27 @@ class MoE(nn.Module):
     def __call__(self, x_BSD: jax.Array, router_bias_E: jax.Array):
         cfg, dt = self.cfg, x_BSD.dtype
         d, e, f = cfg.d_model, cfg.n_routed_experts, cfg.expert_ffn_dim
-        w_router_DE = weight(self, "w_router", (d, e), ("embed", "router"), cfg)
-        w_gate_EDF = weight(self, "w_gate", (e, d, f), ("experts", "expert_embed", "expert_mlp"), cfg)
-        w_up_EDF = weight(self, "w_up", (e, d, f), ("experts", "expert_embed", "expert_mlp"), cfg)
-        w_down_EFD = weight(self, "w_down", (e, f, d), ("experts", "expert_mlp", "expert_embed"), cfg)
+        expert_axes = ("experts", "expert_embed", "expert_mlp")
+        # Router in float32: near-tied sigmoid scores decide discrete choices.
+        w_router_DE = weight(self, "w_router", (d, e), ("embed", "router"), cfg,
+                             dtype=jnp.float32)
+        w_gate_EDF = weight(self, "w_gate", (e, d, f), expert_axes, cfg, dtype=dt)
+        w_up_EDF = weight(self, "w_up", (e, d, f), expert_axes, cfg, dtype=dt)
+        w_down_EFD = weight(self, "w_down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),
+                            cfg, dtype=dt)
 
         b, s, _ = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        # Router in float32: near-tied sigmoid scores decide discrete choices.
-        logits_TE = x_TD.astype(jnp.float32) @ w_router_DE.astype(jnp.float32)
-        weights_TK, experts_TK = route(logits_TE, router_bias_E, cfg)
-
-        order_M, token_M, group_sizes_E = sort_by_expert(experts_TK, e)
-        y_sorted_MD = grouped_swiglu(x_TD[token_M], w_gate_EDF.astype(dt), w_up_EDF.astype(dt),
-                                     w_down_EFD.astype(dt), group_sizes_E,
-                                     impl=grouped_matmul_impl(cfg))
-        y_TD = combine(y_sorted_MD, order_M, weights_TK).astype(dt)
-        routed_BSD = checkpoint_name(y_TD.reshape(b, s, d), "moe_out")
-
+        weights_TK, experts_TK = route(x_TD.astype(jnp.float32) @ w_router_DE, router_bias_E, cfg)
+        y_TD, stats = moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF,
+                                   w_down_EFD, cfg)
+        routed_BSD = checkpoint_name(y_TD.astype(dt).reshape(b, s, d), "moe_out")
         if cfg.n_shared_experts:
             shared_BSD = SwiGLU(cfg, cfg.n_shared_experts * f, name="shared")(x_BSD)
             routed_BSD = routed_BSD + shared_BSD
-        # Copies the grouped matmul processed; with capacity limits this would fall short
-        # of T·K, and train.py reports the gap as moe_dropped_fraction.
-        stats = {"expert_counts_E": group_sizes_E, "processed_copies": group_sizes_E.sum(),
-                 "routed_copies": jnp.asarray(experts_TK.size, jnp.int32)}
+        # Loads over the whole global batch: the balancing bias must agree on every device.
+        stats["expert_counts_E"] = comm.psum_all(
+            jnp.bincount(experts_TK.reshape(-1), length=e).astype(jnp.int32))
         return routed_BSD, stats
 
 

@@ -13,11 +13,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model.attention import MLAttention
-from europa_jax.model.layers import DTYPES, RMSNorm, SwiGLU, rope_tables, weight
+from europa_jax.model.layers import RMSNorm, SwiGLU, rope_tables, weight
 from europa_jax.model.moe import MoE
-from europa_jax.sharding import constrain
-
-ACTIVATION_AXES = ("batch", "seq", "act_embed")
 
 
 class DecoderBlock(nn.Module):
@@ -29,7 +26,7 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E):
         cfg = self.cfg
-        x_BSD = constrain(checkpoint_name(x_BSD, "layer_input"), ACTIVATION_AXES)
+        x_BSD = checkpoint_name(x_BSD, "layer_input")
         attn_BSD = MLAttention(cfg, name="attention")(
             RMSNorm(cfg, cfg.d_model, name="attention_norm")(x_BSD), segment_ids_BS,
             cos_BSP2, sin_BSP2)
@@ -39,7 +36,7 @@ class DecoderBlock(nn.Module):
             mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E)
         else:
             mlp_out_BSD, stats = SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(mlp_in_BSD), None
-        return constrain(h_BSD + mlp_out_BSD, ACTIVATION_AXES), stats
+        return h_BSD + mlp_out_BSD, stats
 
 
 def _block_class(cfg: ModelConfig):
@@ -58,10 +55,9 @@ class Transformer(nn.Module):
     def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE):
         """Returns float32 logits [B, S, V] and per-MoE-layer stats stacked over L."""
         cfg = self.cfg
-        compute_dtype = DTYPES[cfg.compute_dtype]
         v, d = cfg.padded_vocab_size, cfg.d_model
-        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg)
-        x_BSD = constrain(embedding_VD[tokens_BS].astype(compute_dtype), ACTIVATION_AXES)
+        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, matmul=False)
+        x_BSD = embedding_VD[tokens_BS]
         cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
 
         x_BSD, _ = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
@@ -70,11 +66,12 @@ class Transformer(nn.Module):
                                    is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
 
         x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
-        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg).astype(compute_dtype)
+        # The head is gathered in bf16/fp32, never fp8: logits are precision-sensitive.
+        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, matmul=False)
         logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV, preferred_element_type=jnp.float32)
         if v > cfg.vocab_size:  # padding rows exist only to divide the mesh: never predicted
             logits_BSV = jnp.where(jnp.arange(v) < cfg.vocab_size, logits_BSV, -1e30)
-        return constrain(logits_BSV, ("batch", "seq", "act_vocab")), stats
+        return logits_BSV, stats
 
     def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, *, is_moe, n,
                name):
