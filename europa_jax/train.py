@@ -212,9 +212,11 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "expert_load_max_over_mean": jnp.mean(load_LE.max(-1) / load_LE.mean(-1)),
         "moe_dropped_fraction": 1.0 - stats["processed_copies"].sum()
         / stats["routed_copies"].sum(),
-        # token rows that crossed devices in the MoE exchange, per routed token copy
+        # token rows that crossed devices in the MoE exchange, per routed token copy (one
+        # row per remote expert copy would be moe_remote_copy_fraction)
         "moe_exchanged_rows_per_copy": stats["exchanged_rows"].sum()
         / stats["routed_copies"].sum(),
+        "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                       router_bias_LE=router_bias_LE), metrics

@@ -50,8 +50,9 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
     `ragged_dot`: one grouped matmul per weight (the GPU/TPU kernel). XLA:CPU lowers
     ragged_dot to a dense masked matmul over *all* experts (E× the FLOPs), so on CPU we
     use `blocked`: each expert's rows are padded to a multiple of `block_rows`, every block
-    then belongs to one expert and is multiplied by that expert's matrix. Exact, dropless,
-    at most E·(block_rows−1) padding rows of extra work.
+    then belongs to one expert and is multiplied by that expert's matrix; blocks past the
+    filled rows are skipped at run time (the expert-parallel receive buffer is sized for
+    the worst case). Exact, dropless, at most E·(block_rows−1) padding rows of extra work.
     """
     if impl == "ragged_dot":
         gate_MF = jax.lax.ragged_dot(x_MD, w_gate_EDF, group_sizes_E)
@@ -71,10 +72,18 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
     block_expert_N = jnp.minimum(
         jnp.searchsorted(padded_end_E, jnp.arange(n_blocks) * y, side="right"), e - 1)
 
+    used_blocks = padded_end_E[-1] // y  # blocks past this hold no row: skipped
+
     def blocked(rows_MI, w_EIO):
         rows_NYI = jnp.zeros((n_blocks * y, rows_MI.shape[1]), rows_MI.dtype).at[row_M].set(
             rows_MI, mode="drop").reshape(n_blocks, y, -1)
-        out_NYO = jnp.einsum("nyi,nio->nyo", rows_NYI, w_EIO[block_expert_N])
+
+        def block(args):  # a real branch: the static bound is worst-case, the work is not
+            n, rows_YI = args
+            return jax.lax.cond(n < used_blocks, lambda: rows_YI @ w_EIO[block_expert_N[n]],
+                                lambda: jnp.zeros((y, w_EIO.shape[-1]), rows_YI.dtype))
+
+        out_NYO = jax.lax.map(block, (jnp.arange(n_blocks), rows_NYI))
         return out_NYO.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
 
     hidden_MF = nn.silu(blocked(x_MD, w_gate_EDF)) * blocked(x_MD, w_up_EDF)
@@ -173,9 +182,11 @@ def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
 
     stats = {"processed_copies": comm.psum_all(sizes_E.sum()),
              "routed_copies": comm.psum_all(jnp.asarray(t * k, jnp.int32)),
-             # rows that leave the device: what the exchange really has to carry
-             "exchanged_rows": comm.psum_all(send_counts_J.sum() - jnp.where(
-                 jnp.arange(ep) == comm.expert_index(), send_counts_J, 0).sum())}
+             # rows that leave the device: what the exchange really has to carry, against
+             # one row per remote expert copy (no per-device deduplication)
+             "exchanged_rows": comm.psum_all(jnp.where(
+                 jnp.arange(ep) == comm.expert_index(), 0, send_counts_J).sum()),
+             "remote_copies": comm.psum_all((dest_TK != comm.expert_index()).sum())}
     return y_TD, stats
 
 

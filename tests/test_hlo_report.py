@@ -1,0 +1,45 @@
+"""The collective report against a program whose communication we know by construction."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from europa_jax import hlo_report, sharding
+from europa_jax.config import MeshConfig
+
+
+def test_report_counts_loop_iterations_axes_dtypes_and_bytes():
+    mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+
+    def body(w_LDF, x_TD):
+        def layer(x, w_DF):  # per layer: fp8 gather over data, f32 all-to-all over expert
+            w = jax.lax.all_gather(w_DF.astype(jnp.float8_e4m3fn), "data", axis=0, tiled=True)
+            x = jax.lax.all_to_all(x, "expert", 0, 0, tiled=True)
+            return jnp.tanh(x @ w.astype(jnp.float32)), None
+
+        x, _ = jax.lax.scan(layer, x_TD, w_LDF)
+        g = jax.lax.psum_scatter(x.astype(jnp.bfloat16), ("data", "expert"), tiled=True)
+        return jax.lax.psum(g.astype(jnp.float32).sum(), ("data", "expert"))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "data"), P(("data", "expert"))),
+                              out_specs=P()))
+    hlo = f.lower(jnp.ones((3, 16, 16)), jnp.ones((64, 16))).compiler_ir("hlo").as_hlo_text()
+    rows = {(r["op"], r["axes"], r["dtype"]): r for r in
+            hlo_report.summarize(hlo_report.collectives(hlo, mesh))}
+
+    gather = rows[("all-gather", "data", "f8e4m3fn")]
+    assert gather["count"] == 3  # once per scanned layer
+    assert gather["bytes_per_device"] == 3 * 16 * 16 * 1 / 2  # result × (n−1)/n, 3 layers
+    a2a = rows[("all-to-all", "expert", "f32")]
+    assert a2a["count"] == 3 and a2a["bytes_per_device"] == 3 * 8 * 16 * 4 * 3 / 4
+    rs = rows[("reduce-scatter", "data+expert", "bf16")]
+    assert rs["count"] == 1 and rs["bytes_per_device"] == 1 * 16 * 2 * 7  # result × (n−1)
+    assert rows[("all-reduce", "data+expert", "f32")]["count"] == 1
+
+
+def test_axes_of_groups_recognises_each_mesh_axis():
+    mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+    assert hlo_report.axes_of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], mesh) == ("expert",)
+    assert hlo_report.axes_of_groups([[0, 4], [1, 5], [2, 6], [3, 7]], mesh) == ("data",)
+    assert hlo_report.axes_of_groups([list(range(8))], mesh) == ("data", "expert")
+    assert hlo_report.axes_of_groups([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) == ()
