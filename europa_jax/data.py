@@ -64,7 +64,8 @@ class BatchStats:
 
     batch: int
     attention_cost_max_over_mean: float
-    documents_split: int
+    rank_cost_N: np.ndarray   # Σ piece length² per rank (every rank holds R/N · S tokens)
+    documents_split: int      # documents cut into more than one piece in this batch
 
 
 class _Planner:
@@ -187,6 +188,7 @@ class _ReadRows:
                 "stats": BatchStats(
                     batch=plan.index,
                     attention_cost_max_over_mean=packing.max_over_mean(rank_cost_N),
+                    rank_cost_N=rank_cost_N,
                     documents_split=int(len(plan.doc_P) - len(np.unique(plan.doc_P))))}
 
 
