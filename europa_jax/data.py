@@ -40,7 +40,7 @@ import numpy as np
 
 from europa_jax import packing
 from europa_jax.config import MIN_SEQ_LEN
-from europa_jax.corpus import DataError, TokenCorpus
+from europa_jax.corpus import MANIFEST, DataError, TokenCorpus
 
 if TYPE_CHECKING:
     from europa_jax.config import Config
@@ -294,7 +294,7 @@ def open_corpus(cfg: Config) -> TokenCorpus:
     data = cfg.data
     path = prepare.stdlib_corpus() if data.source == "stdlib" else Path(data.path)
     corpus = TokenCorpus(path)
-    manifest_path = path / "manifest.json"
+    manifest_path = path / MANIFEST
     vocab = int(corpus.manifest.tokenizer["vocab_size"])
     if vocab > cfg.model.vocab_size:
         raise DataError(f"{manifest_path}: tokenizer vocab {vocab} > model.vocab_size "

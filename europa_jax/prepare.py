@@ -1,7 +1,7 @@
 """`europa-jax prepare`: text files, directories and JSONL → a tokenized corpus on disk.
 
 Documents stream through in small batches (read → tokenize → append to a shard), so
-memory stays flat however large the corpus.  Inputs are checked before anything is
+memory stays flat however large the corpus (one document at a time must fit).  Inputs are checked before anything is
 written, and the corpus appears at `--out` only once complete (see `corpus.CorpusWriter`).
 
 Input kinds, by name: `*.jsonl` / `*.ndjson` hold one JSON object per line whose
