@@ -1,4 +1,4 @@
-"""`europa-jax train|count`: the command line.
+"""`europa-jax train|count|prepare`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -11,6 +11,7 @@ import json
 import sys
 
 from europa_jax.config import ConfigError, load_config
+from europa_jax.corpus import DataError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +27,39 @@ def _parser() -> argparse.ArgumentParser:
     count = sub.add_parser("count", help="parameter counts from shapes alone (no allocation)")
     count.add_argument("config")
     count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    prepare = sub.add_parser("prepare", help="tokenize text/JSONL files into a training corpus")
+    source = prepare.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", nargs="+", action="extend", metavar="PATH",
+                        help="text files, directories (walked, sorted) or .jsonl[.gz] files")
+    source.add_argument("--stdlib", action="store_true",
+                        help="the default corpus: this Python's standard library sources")
+    prepare.add_argument("--out", required=True, help="new corpus directory (must not exist)")
+    prepare.add_argument("--tokenizer", default="bytes",
+                         help="'bytes' (default) or a Hugging Face tokenizer.json")
+    prepare.add_argument("--eos-token", help="end-of-document token (default: from "
+                         "tokenizer_config.json beside the tokenizer, or a known name)")
+    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
     return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from europa_jax import prepare, tokenizer
+
+    tok = tokenizer.load_tokenizer(args.tokenizer, args.eos_token)
+    inputs = prepare.stdlib_sources() if args.stdlib else args.input
+    labels = [f"stdlib:{prepare.stdlib_root()}"] if args.stdlib else None
+    start = time.perf_counter()
+    manifest = prepare.prepare_corpus(inputs, args.out, tok, text_field=args.text_field,
+                                      input_labels=labels)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"out": args.out, "documents": manifest.documents,
+                      "tokens": manifest.tokens, "shards": len(manifest.shards),
+                      "tokenizer": manifest.tokenizer, "seconds": round(seconds, 2),
+                      "tokens_per_s": round(manifest.tokens / seconds)}))
+    return 0
 
 
 def _use_cpu_devices(n: int) -> None:
@@ -39,6 +72,8 @@ def _use_cpu_devices(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "prepare":
+            return _prepare(args)
         cfg = load_config(args.config, args.set)
         if args.command == "count":
             _use_cpu_devices(1)
@@ -58,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
                           "steps": cfg.train.steps}))
         return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,10 @@ from typing import Any, Literal
 import yaml
 
 
+# A row needs at least one input token and its next-token target.
+MIN_SEQ_LEN = 2
+
+
 class ConfigError(ValueError):
     """A config problem a user can fix; the message is one line naming key and value."""
 
@@ -194,16 +198,43 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["stdlib"] = "stdlib"
+    """Input pipeline (europa_jax/data.py): which corpus, how rows are packed and balanced."""
+
+    # stdlib: this interpreter's standard library, prepared into a cache on first use;
+    # prepared: a directory written by `europa-jax prepare` (data.path).
+    source: Literal["stdlib", "prepared"] = "stdlib"
+    path: str | None = None
+    # Expected tokenizer ("bytes" or a tokenizer.json); a corpus prepared with another one
+    # is refused.  null: trust the corpus manifest.
+    tokenizer: str | None = None
     seq_len: int = 256
     global_batch_size: int = 8
     seed: int = 0
     max_documents: int | None = None
+    # Pack and lay out rows so every rank's attention cost (Σ document length²) is even.
+    balance: bool = True
+    # Batches prepared ahead in a background thread (0: made on demand).
+    prefetch: int = 2
 
     def __post_init__(self):
         _positive(self, "seq_len", "global_batch_size")
+        if self.seq_len < MIN_SEQ_LEN:
+            raise ConfigError(f"data.seq_len: {self.seq_len} is below the minimum {MIN_SEQ_LEN} "
+                              "(a row needs an input and a target token)")
         if self.max_documents is not None and self.max_documents <= 0:
             raise ConfigError(f"data.max_documents: {self.max_documents} must be positive or null")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"data.seed: {self.seed} must be in [0, 2**32)")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch: {self.prefetch} must be >= 0")
+        if self.source == "prepared" and not self.path:
+            raise ConfigError("data.path: required when data.source is 'prepared' (a directory "
+                              "written by `europa-jax prepare`)")
+        if self.source == "stdlib" and self.path is not None:
+            raise ConfigError(f"data.path: {self.path!r} is only used with data.source: prepared")
+        if self.source == "stdlib" and self.tokenizer not in (None, "bytes"):
+            raise ConfigError(f"data.tokenizer: {self.tokenizer!r} but the stdlib corpus is "
+                              "byte-level ('bytes' or null)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +275,7 @@ class Config:
         if data.seq_len > m.max_position_embeddings:
             raise ConfigError(f"data.seq_len: {data.seq_len} > model.max_position_embeddings="
                               f"{m.max_position_embeddings}")
-        from europa_jax.data import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
+        from europa_jax.tokenizer import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
 
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "

@@ -17,23 +17,26 @@ from europa_jax.train import Trainer, build_trainer, init_state, jit_train_step
 
 
 def device_batches(trainer: Trainer, host_batches: Iterator[dict[str, np.ndarray]]):
-    """Each process's rows → one global array sharded over the mesh (no host gathers)."""
+    """Each process's rows → one global array sharded over the mesh (no host gathers).
+
+    Pulls exactly one host batch per yield (the host iterator prefetches in its own
+    thread), so `host_batches.get_state()` always names the batch after the last yielded.
+    """
     for host_batch in host_batches:
         yield host_batch, {k: jax.make_array_from_process_local_data(trainer.batch_sharding, v)
                            for k, v in host_batch.items()}
 
 
-def host_batch_iterator(cfg: Config):
-    return data.make_batch_iterator(
-        source=cfg.data.source, seq_len=cfg.data.seq_len,
-        global_batch_size=cfg.data.global_batch_size, seed=cfg.data.seed,
-        max_documents=cfg.data.max_documents, process_index=jax.process_index(),
-        process_count=jax.process_count())
+def host_batch_iterator(cfg: Config) -> data.BatchIterator:
+    """This process's rows of each balanced global batch; checkpoint it with get/set_state."""
+    return data.batch_iterator_for(cfg, process_index=jax.process_index(),
+                                   process_count=jax.process_count())
 
 
 def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     """Run `cfg.train.steps` steps; returns the logged metrics (also in metrics.jsonl)."""
     check_device_count(cfg, jax.device_count())
+    host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
     run_dir = Path(run_dir or cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -46,7 +49,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     logged = []
     progress = _progress(cfg.train.steps)
     with (run_dir / "metrics.jsonl").open("w") as log, jax.set_mesh(mesh):
-        batches = device_batches(trainer, host_batch_iterator(cfg))
+        batches = device_batches(trainer, host_batches)
         for step in range(cfg.train.steps):
             host_batch, batch = next(batches)
             start = time.perf_counter()
@@ -62,6 +65,8 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
                       "step_time_s": step_time,
                       "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
                       "mfu": step_flops / step_time / jax.device_count() / peak,
+                      "attention_cost_max_over_mean":
+                          host_batches.stats.attention_cost_max_over_mean,
                       "compiled": step == 0}
             log.write(json.dumps(record) + "\n")
             log.flush()

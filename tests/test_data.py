@@ -1,198 +1,311 @@
-"""Tests for europa_jax.data: embedded stdlib corpus + Grain packing pipeline."""
+"""Tests for europa_jax.data: packing, balancing, per-process reads, exact resume.
 
+The synthetic corpus makes every token say where it came from: token = doc · 1024 + position
+in the document, so any batch can be checked against the corpus exactly.
+"""
+
+import dataclasses
 import json
 import re
 
+import grain
 import numpy as np
 import pytest
 
-from europa_jax import data
+from europa_jax import data, packing
+from europa_jax.config import ConfigError, Config, DataConfig, from_dict, load_config
+from europa_jax.corpus import CorpusWriter, DataError, TokenCorpus
+from conftest import config_path
 
-N_DOCS = 5
-SEQ_LEN = 64
-BATCH = 4
-SEED = 0
+S, ROWS, RANKS = 64, 8, 4          # 2 rows per rank
+EPOCH_BATCHES = 4                  # the corpus holds exactly 4 global batches of tokens
+STRIDE = 1024                      # token = doc * STRIDE + position
 
 
-def _iterator(**overrides):
-    kwargs = dict(
-        source="stdlib",
-        seq_len=SEQ_LEN,
-        global_batch_size=BATCH,
-        seed=SEED,
-        max_documents=N_DOCS,
-    )
+def long_tailed_lengths(seed, total):
+    rng = np.random.default_rng(seed)
+    lengths = np.maximum(1, rng.lognormal(np.log(12), 1.2, size=total)).astype(np.int64)
+    lengths = np.minimum(lengths, 300)  # several documents span multiple rows
+    cum = np.cumsum(lengths)
+    k = int(np.searchsorted(cum, total))
+    lengths = lengths[:k + 1]
+    lengths[-1] -= int(cum[k]) - total
+    return lengths[lengths > 0]
+
+
+def write_identity_corpus(path, lengths):
+    vocab = len(lengths) * STRIDE
+    with CorpusWriter(path, vocab_size=vocab) as writer:
+        for doc, n in enumerate(lengths):
+            writer.add(doc * STRIDE + np.arange(n))
+        writer.commit(tokenizer={"kind": "bytes", "name": "synthetic", "sha256": None,
+                                 "vocab_size": vocab, "eos_id": 0})
+    return TokenCorpus(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    lengths = long_tailed_lengths(0, EPOCH_BATCHES * ROWS * S)
+    assert lengths.max() > 2 * S
+    return write_identity_corpus(tmp_path_factory.mktemp("corpus") / "c", lengths)
+
+
+def iterator(corpus, **overrides):
+    kwargs = dict(seq_len=S, global_batch_size=ROWS, n_ranks=RANKS, seed=0, prefetch=2)
     kwargs.update(overrides)
-    return data.make_batch_iterator(**kwargs)
+    return data.make_batch_iterator(corpus, **kwargs)
 
 
-def _take(it, n):
+def take(it, n):
     return [next(it) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
-def docs():
-    # Note: the stdlib has byte-identical files (__phello__/__init__.py and
-    # spam.py are among the first 5), so comparisons below use multisets.
-    return [data.encode_bytes(p.read_bytes()) for p in data.stdlib_sources(N_DOCS)]
+def two_epochs(corpus):
+    return take(iterator(corpus), 2 * EPOCH_BATCHES)
 
 
-@pytest.fixture(scope="module")
-def two_epochs(docs):
-    """Enough batches to cover two full epochs of the N_DOCS corpus."""
-    total = sum(len(d) for d in docs)
-    n_batches = -(-2 * total // (BATCH * SEQ_LEN)) + 1
-    return _take(_iterator(), n_batches)
-
-
-def _split_documents(tokens_T):
-    ends = np.flatnonzero(tokens_T == data.EOS_ID)
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    return [tokens_T[s : e + 1] for s, e in zip(starts, ends)]
-
-
-def test_stdlib_sources_sorted_filtered_and_limited():
-    all_paths = data.stdlib_sources()
-    assert len(all_paths) > 100
-    assert all(p.suffix == ".py" for p in all_paths)
-    for p in all_paths:
-        assert not {"site-packages", "dist-packages", "test", "tests"} & set(p.parts)
-    assert all_paths == sorted(all_paths, key=lambda p: p.as_posix())
-    assert data.stdlib_sources(3) == all_paths[:3]
-
-
-def test_stdlib_sources_missing_dir_raises(monkeypatch, tmp_path):
-    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path))):
-        data.stdlib_sources()
-
-
-def test_encode_bytes_appends_eos():
-    np.testing.assert_array_equal(data.encode_bytes("aé"), [97, 195, 169, data.EOS_ID])
-    np.testing.assert_array_equal(data.encode_bytes(b""), [data.EOS_ID])
-    assert data.encode_bytes(b"xyz").dtype == np.int32
-    assert data.BYTE_VOCAB_SIZE == data.EOS_ID + 1
-
-
-def test_batch_shapes_dtypes_and_vocab(two_epochs):
-    for batch in two_epochs[:5]:
+def test_batches_are_int32_rows_of_this_process(two_epochs):
+    for batch in two_epochs:
         assert set(batch) == {"tokens", "segment_ids", "positions"}
         for value in batch.values():
-            assert value.shape == (BATCH, SEQ_LEN)
-            assert value.dtype == np.int32
-        assert batch["tokens"].min() >= 0
-        assert batch["tokens"].max() < data.BYTE_VOCAB_SIZE
+            assert value.shape == (ROWS, S) and value.dtype == np.int32
 
 
-def test_packing_conserves_tokens_and_reshuffles_each_epoch(docs, two_epochs):
-    stream_T = np.concatenate([b["tokens"].reshape(-1) for b in two_epochs])
-    pieces = _split_documents(stream_T)
-    assert len(pieces) >= 2 * N_DOCS
-    epoch1, epoch2 = pieces[:N_DOCS], pieces[N_DOCS : 2 * N_DOCS]
-    want = sorted(d.tobytes() for d in docs)
-    # Each epoch is exactly the corpus: nothing lost, duplicated or truncated,
-    # even for documents split across rows/batches.
-    assert sorted(p.tobytes() for p in epoch1) == want
-    assert sorted(p.tobytes() for p in epoch2) == want
-    # The stream is exactly the concatenation of the epoch-1 documents.
-    epoch1_len = sum(len(d) for d in docs)
-    np.testing.assert_array_equal(stream_T[:epoch1_len], np.concatenate(epoch1))
-    # Epoch 2 is a different permutation (per-epoch reshuffle).
-    assert [p.tobytes() for p in epoch1] != [p.tobytes() for p in epoch2]
+@pytest.mark.parametrize("balance", [True, False])
+def test_each_epoch_holds_every_token_exactly_once(corpus, balance):
+    batches = take(iterator(corpus, balance=balance), 2 * EPOCH_BATCHES)
+    every = np.sort(np.concatenate([d * STRIDE + np.arange(n) for d, n in
+                                    enumerate(corpus.lengths(np.arange(len(corpus))))]))
+    for epoch in range(2):
+        window = batches[epoch * EPOCH_BATCHES:(epoch + 1) * EPOCH_BATCHES]
+        got = np.sort(np.concatenate([b["tokens"].ravel() for b in window]))
+        np.testing.assert_array_equal(got, every)
 
 
-def test_segments_break_exactly_at_eos(two_epochs):
-    for batch in two_epochs:
-        for tokens_S, seg_S in zip(batch["tokens"], batch["segment_ids"]):
-            assert seg_S[0] == 1
-            assert (seg_S > 0).all()  # infinite stream: rows are never padded
-            step_S = np.diff(seg_S)
-            assert set(np.unique(step_S)) <= {0, 1}
-            is_eos_S = tokens_S[:-1] == data.EOS_ID
-            # EOS ends its segment, and a segment ends only at an EOS (or at
-            # the row end), so a segment never spans two documents.
-            np.testing.assert_array_equal(step_S == 1, is_eos_S)
-            for seg_id in np.unique(seg_S):
-                seg_tokens = tokens_S[seg_S == seg_id]
-                n_eos = int((seg_tokens == data.EOS_ID).sum())
-                assert n_eos <= 1
-                if n_eos:
-                    assert seg_tokens[-1] == data.EOS_ID
+@pytest.mark.parametrize("balance", [True, False])
+def test_segments_are_document_pieces_and_positions_restart(corpus, balance):
+    for batch in take(iterator(corpus, balance=balance), EPOCH_BATCHES):
+        for tokens_S, seg_S, pos_S in zip(batch["tokens"], batch["segment_ids"],
+                                          batch["positions"]):
+            assert seg_S[0] == 1 and (seg_S > 0).all()  # rows are full: no padding
+            assert set(np.diff(seg_S).tolist()) <= {0, 1}
+            for seg in np.unique(seg_S):
+                piece = tokens_S[seg_S == seg]
+                # One document, consecutive tokens of it: never across a boundary.
+                assert len(np.unique(piece // STRIDE)) == 1
+                np.testing.assert_array_equal(np.diff(piece), 1)
+                np.testing.assert_array_equal(pos_S[seg_S == seg], np.arange(len(piece)))
 
 
-def test_positions_restart_per_segment(two_epochs):
-    for batch in two_epochs:
-        for seg_S, pos_S in zip(batch["segment_ids"], batch["positions"]):
-            assert pos_S[0] == 0
-            new_segment = seg_S[1:] != seg_S[:-1]
-            expected = np.where(new_segment, 0, pos_S[:-1] + 1)
-            np.testing.assert_array_equal(pos_S[1:], expected)
+def test_epochs_are_reshuffled_and_seed_matters(corpus, two_epochs):
+    first_docs = [np.unique(b["tokens"] // STRIDE) for b in two_epochs]
+    assert not np.array_equal(first_docs[0], first_docs[EPOCH_BATCHES])
+    other = take(iterator(corpus, seed=1), 1)[0]
+    assert not np.array_equal(other["tokens"], two_epochs[0]["tokens"])
 
 
-def test_same_seed_same_batches_different_seed_differs(two_epochs):
-    again = _take(_iterator(), 8)
-    for a, b in zip(two_epochs[:8], again):
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key])
-    other = _take(_iterator(seed=SEED + 1), 8)
-    assert not all(
-        np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(two_epochs[:8], other)
-    )
+def rank_costs(batch):
+    """Σ segment length² per rank, from the batch alone (device-major rows)."""
+    cost_R = np.array([np.sum(np.unique(seg, return_counts=True)[1] ** 2.0)
+                       for seg in batch["segment_ids"]])
+    return packing.rank_cost(cost_R, RANKS)
 
 
-def test_two_processes_partition_the_global_batch(two_epochs):
-    proc0 = _take(_iterator(process_index=0, process_count=2), 10)
-    proc1 = _take(_iterator(process_index=1, process_count=2), 10)
-    for full, p0, p1 in zip(two_epochs[:10], proc0, proc1):
+def test_balancing_evens_attention_cost_over_the_same_tokens(corpus):
+    balanced, in_order = iterator(corpus), iterator(corpus, balance=False)
+    ratios = {True: [], False: []}
+    for _ in range(2 * EPOCH_BATCHES):
+        a, b = next(balanced), next(in_order)
+        # Same chunk of the stream, laid out differently.
+        np.testing.assert_array_equal(np.sort(a["tokens"], axis=None),
+                                      np.sort(b["tokens"], axis=None))
+        # The slowest rank is never slower than with stream order.
+        assert rank_costs(a).max() <= rank_costs(b).max()
+        for it, batch, key in ((balanced, a, True), (in_order, b, False)):
+            ratios[key].append(it.stats.attention_cost_max_over_mean)
+            assert it.stats.attention_cost_max_over_mean == pytest.approx(
+                packing.max_over_mean(rank_costs(batch)))
+    assert np.mean(ratios[True]) < np.mean(ratios[False]) - 0.1
+
+
+class RecordingCorpus(TokenCorpus):
+    """Remembers every token range read (the real reader underneath)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.reads = []
+
+    def read_many(self, doc_P, start_P, stop_P):
+        self.reads += list(zip(doc_P.tolist(), start_P.tolist(), stop_P.tolist()))
+        return super().read_many(doc_P, start_P, stop_P)
+
+
+def test_two_processes_read_disjoint_shares_covering_each_document_once(corpus, two_epochs):
+    procs = [RecordingCorpus(corpus.path) for _ in range(2)]
+    its = [iterator(c, process_index=i, process_count=2, prefetch=0)
+           for i, c in enumerate(procs)]
+    for full in two_epochs[:EPOCH_BATCHES]:
+        halves = [next(it) for it in its]
         for key in full:
-            assert p0[key].shape == (BATCH // 2, SEQ_LEN)
-            np.testing.assert_array_equal(np.concatenate([p0[key], p1[key]]), full[key])
+            assert halves[0][key].shape == (ROWS // 2, S)
+            np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), full[key])
+    for c in procs:  # each process read its own rows' tokens and nothing else
+        assert sum(stop - start for _, start, stop in c.reads) == EPOCH_BATCHES * ROWS // 2 * S
+    covered = {}
+    for doc, start, stop in procs[0].reads + procs[1].reads:
+        covered.setdefault(doc, []).append((start, stop))
+    lengths = corpus.lengths(np.arange(len(corpus)))
+    assert sorted(covered) == list(range(len(corpus)))
+    for doc, spans in covered.items():  # tiles [0, length) exactly: read once per epoch
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == lengths[doc]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
-@pytest.mark.parametrize("consumed", [0, 7])
-def test_state_json_round_trip_resumes_exactly(two_epochs, consumed):
-    it = _iterator()
-    _take(it, consumed)
-    # JSON is what DatasetIterator.save / Orbax write; consumed=0 restores a
-    # state without a remainder, which plain Grain 0.2.18 gets wrong.
+@pytest.mark.parametrize("consumed", [0, 3, 6])
+def test_json_state_resumes_exactly(corpus, two_epochs, consumed):
+    it = iterator(corpus)
+    take(it, consumed)
     state = json.loads(json.dumps(it.get_state()))
-    restored = _iterator()
+    restored = iterator(corpus)
     restored.set_state(state)
-    for want, got in zip(two_epochs[consumed : consumed + 5], _take(restored, 5)):
+    for want, got in zip(two_epochs[consumed:], take(restored, 2 * EPOCH_BATCHES - consumed)):
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
 
 
-def test_documents_are_read_lazily(monkeypatch):
-    reads = []
-    real_read = data._read_document
+def test_orbax_checkpoint_of_the_iterator_resumes_exactly(corpus, two_epochs, tmp_path):
+    import orbax.checkpoint as ocp
 
-    def counting_read(path):
-        reads.append(path)
-        return real_read(path)
+    it = iterator(corpus)
+    take(it, 3)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        manager.wait_until_finished()
+    restored = iterator(corpus)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore(3, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(restored)))
+    for want, got in zip(two_epochs[3:6], take(restored, 3)):
+        np.testing.assert_array_equal(got["tokens"], want["tokens"])
 
-    monkeypatch.setattr(data, "_read_document", counting_read)
-    it = _iterator(max_documents=None, seq_len=16, global_batch_size=1)
-    assert reads == []
-    next(it)
-    assert 1 <= len(reads) <= 4
+
+def test_state_from_another_pipeline_is_refused(corpus):
+    state = iterator(corpus).get_state()
+    with pytest.raises(DataError, match=re.escape("saved {'seq_len': 64}, this run "
+                                                  "{'seq_len': 32}")):
+        iterator(corpus, seq_len=32).set_state(state)
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (dict(source="c4"), "data.source: unknown source 'c4'; expected one of: stdlib"),
-        (dict(seq_len=1), "data.seq_len must be >= 2, got 1"),
-        (
-            dict(global_batch_size=3, process_count=2),
-            "data.global_batch_size must be a positive multiple of process_count (2), got 3",
-        ),
-        (dict(global_batch_size=0), "data.global_batch_size"),
-        (dict(seed=-1), "data.seed"),
-        (dict(process_index=2, process_count=2), "process_index"),
-        (dict(max_documents=0), "data.max_documents"),
-    ],
-)
-def test_config_errors(overrides, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        _iterator(**overrides)
+def test_max_documents_uses_the_first_documents(corpus):
+    for batch in take(iterator(corpus, max_documents=5), 3):
+        assert batch["tokens"].max() < 5 * STRIDE
+
+
+def test_corrupt_token_ids_are_caught_when_read(tmp_path):
+    small = write_identity_corpus(tmp_path / "c", [S] * ROWS)
+    shard = tmp_path / "c" / "tokens-00000.bin"
+    raw = np.fromfile(shard, dtype=small.dtype)
+    raw[70] = ROWS * STRIDE  # = the vocab size: one past the largest valid id
+    raw.tofile(shard)
+    with pytest.raises(DataError, match=re.escape(f"{small.path}: document 1 holds a token id "
+                                                  f">= the manifest's vocab")):
+        next(iterator(small, balance=False))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(seq_len=1), "data.seq_len: 1 is below the minimum 2"),
+    (dict(global_batch_size=6), "data.global_batch_size: 6 is not a positive multiple of the 4 "
+                                "ranks"),
+    (dict(process_count=3), "ranks: 4 devices do not split evenly over 3 processes"),
+    (dict(process_index=2, process_count=2), "process_index 2 not in [0, process_count=2)"),
+    (dict(seed=-1), "data.seed: -1 not in [0, 2**32)"),
+    (dict(max_documents=0), "data.max_documents: 0 must be >= 1"),
+    (dict(prefetch=-1), "data.prefetch: -1 must be >= 0"),
+])
+def test_bad_pipeline_arguments(corpus, overrides, message):
+    with pytest.raises(DataError, match=re.escape(message)):
+        iterator(corpus, **overrides)
+
+
+# ----------------------------------------------------------------------------- from a config
+
+
+def prepared_cfg(tiny_cfg, path, **data_overrides):
+    return dataclasses.replace(tiny_cfg, data=dataclasses.replace(
+        tiny_cfg.data, source="prepared", path=str(path), **data_overrides))
+
+
+def test_config_iterator_uses_mesh_devices_as_ranks(tiny_cfg, tmp_path):
+    lengths = long_tailed_lengths(1, 3 * 64 * 8)
+    vocab_ok = write_identity_corpus(tmp_path / "c", lengths)
+    cfg = dataclasses.replace(prepared_cfg(tiny_cfg, tmp_path / "c"),
+                              model=dataclasses.replace(tiny_cfg.model,
+                                                        vocab_size=len(lengths) * STRIDE))
+    it = data.batch_iterator_for(cfg, process_index=1, process_count=2)
+    batch = next(it)
+    assert batch["tokens"].shape == (cfg.data.global_batch_size // 2, cfg.data.seq_len)
+    assert it.get_state()["pipeline"]["n_ranks"] == cfg.mesh.n_devices == 8
+    assert it.get_state()["pipeline"]["corpus"] == data._corpus_id(vocab_ok)
+
+
+def test_config_corpus_errors(tiny_cfg, tmp_path):
+    lengths = long_tailed_lengths(1, 3 * 64 * 8)
+    write_identity_corpus(tmp_path / "c", lengths)
+    manifest = tmp_path / "c" / "manifest.json"
+    with pytest.raises(DataError, match=re.escape(
+            f"{manifest}: tokenizer vocab {len(lengths) * STRIDE} > model.vocab_size 257")):
+        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c"))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'nope'}: no such directory")):
+        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "nope"))
+
+
+def test_tokenizer_mismatch_is_refused(tiny_cfg, tmp_path):
+    from europa_jax import prepare, tokenizer
+    from test_tokenizer import make_tokenizer_json
+
+    (tmp_path / "a.txt").write_text("hello world")
+    prepare.prepare_corpus([tmp_path / "a.txt"], tmp_path / "c", tokenizer.ByteTokenizer(),
+                           progress=False)
+    ok = prepared_cfg(tiny_cfg, tmp_path / "c", tokenizer="bytes")
+    assert len(data.open_corpus(ok)) == 1
+    tok_json = make_tokenizer_json(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match=re.escape(
+            f"{tmp_path / 'c' / 'manifest.json'}: corpus was prepared with bytes 'bytes' "
+            f"(sha256 None) but data.tokenizer is {tok_json}")):
+        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c", tokenizer=str(tok_json)))
+
+
+def test_stdlib_config_prepares_the_cache_through_prepare(tiny_cfg, tmp_path, monkeypatch):
+    from europa_jax import prepare
+
+    monkeypatch.setenv("EUROPA_JAX_CACHE", str(tmp_path))
+    files = prepare.stdlib_sources()[:30]
+    monkeypatch.setattr(prepare, "stdlib_sources", lambda: files)
+    it = data.batch_iterator_for(tiny_cfg)
+    batch = next(it)
+    assert batch["tokens"].shape == (tiny_cfg.data.global_batch_size, tiny_cfg.data.seq_len)
+    (cache,) = tmp_path.iterdir()
+    assert TokenCorpus(cache).manifest.tokenizer["kind"] == "bytes"
+    assert batch["tokens"].max() <= 256
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"source": "prepared"}, "data.path: required when data.source is 'prepared'"),
+    ({"path": "x"}, "data.path: 'x' is only used with data.source: prepared"),
+    ({"tokenizer": "t.json"}, "data.tokenizer: 't.json' but the stdlib corpus is byte-level"),
+    ({"seq_len": 1}, "data.seq_len: 1 is below the minimum 2"),
+    ({"seed": 2**32}, "data.seed: 4294967296 must be in [0, 2**32)"),
+    ({"prefetch": -1}, "data.prefetch: -1 must be >= 0"),
+    ({"balance": "yes"}, "data.balance: expected bool, got 'yes'"),
+])
+def test_data_config_errors(raw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(DataConfig, raw, "data.")
+
+
+def test_readme_config_defaults_to_balanced_stdlib():
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    assert isinstance(cfg, Config)
+    assert cfg.data.source == "stdlib" and cfg.data.balance and cfg.data.prefetch >= 1
