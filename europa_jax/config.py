@@ -164,6 +164,25 @@ class CommConfig:
     expert_exchange_dtype: Literal["bf16", "fp32"] = "fp32"
 
 
+ACTIVATION_PRESETS = ("none", "full_remat", "offload_layer_inputs", "offload_attention_moe",
+                      "save_dots")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """What lives in host memory (XLA memory kind `pinned_host`) instead of HBM (offload.py)."""
+
+    optimizer_state: bool = False
+    master_params: bool = False
+    # Saved-activation policy by name (offload.py PRESETS); `none` keeps model.remat's choice.
+    activations: str = "none"
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATION_PRESETS:
+            raise ConfigError(f"offload.activations: {self.activations!r} is not one of: "
+                              + ", ".join(ACTIVATION_PRESETS))
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """Muon (Jordan 2024; Liu et al. 2025, arXiv:2502.16982) for hidden matrices, AdamW for the rest."""
@@ -257,6 +276,7 @@ class Config:
     model: ModelConfig
     mesh: MeshConfig = field(default_factory=MeshConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
