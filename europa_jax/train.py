@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import comm, optim, sharding
+from europa_jax import comm, offload, optim, sharding
 from europa_jax.config import Config, ConfigError
 from europa_jax.model.moe import updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
@@ -80,7 +80,7 @@ def abstract_variables(cfg: Config) -> Any:
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload))
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps)
     boxed = abstract_variables(cfg)
     param_specs = sharding.specs_for(boxed, sharding.mesh_shape_of(mesh))
@@ -88,10 +88,14 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     param_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs,
                                    is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(mesh, P())
-    opt_shardings = shardings_like_params(jax.eval_shape(tx.init, abstract_params),
-                                          abstract_params, param_shardings, replicated)
-    state_shardings = TrainState(step=replicated, params=param_shardings,
-                                 opt_state=opt_shardings, router_bias_LE=replicated)
+    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = shardings_like_params(abstract_opt_state, abstract_params, param_shardings,
+                                          replicated)
+    state_shardings = offload.place_state(
+        TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                   router_bias_LE=replicated),
+        TrainState(step=None, params=abstract_params, opt_state=abstract_opt_state,
+                   router_bias_LE=None), cfg.offload)
     batch_spec = sharding.resolve_spec(("batch", "seq"), (cfg.data.global_batch_size,
                                                           cfg.data.seq_len),
                                        sharding.mesh_shape_of(mesh))
@@ -198,9 +202,12 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """One optimizer step; pure, so it is jitted once with shardings and donation."""
     cfg, tx = trainer.cfg, trainer.tx
     grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
-    (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    # Offloaded leaves arrive in host memory; out_shardings send the new ones back there.
+    params = offload.to_device(state.params, trainer.state_shardings.params)
+    opt_state = offload.to_device(state.opt_state, trainer.state_shardings.opt_state)
+    (loss, stats), grads = grad_fn(params, state.router_bias_LE, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
     counts_LE = stats["expert_counts_E"]
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)
