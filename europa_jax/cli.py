@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from europa_jax import exit_codes
 from europa_jax.config import ConfigError, load_config
 
 
@@ -50,17 +51,35 @@ def main(argv: list[str] | None = None) -> int:
             report = flops.parameter_counts(cfg.model, params)
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))
-            return 0
+            return exit_codes.OK
         _use_cpu_devices(cfg.mesh.n_devices)
-        from europa_jax.loop import train
-
-        records = train(cfg, args.run_dir)
-        print(json.dumps({"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
-                          "steps": cfg.train.steps}))
-        return 0
+        return _train(cfg, args.run_dir)
     except (ConfigError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
+
+
+def _train(cfg, run_dir: str | None) -> int:
+    from europa_jax.checkpoint import CheckpointError
+    from europa_jax.loop import NonFiniteStop, train
+    from europa_jax.preemption import Preempted
+
+    try:
+        records = train(cfg, run_dir)
+    except Preempted as e:
+        print(f"europa-jax: {e}", file=sys.stderr)
+        return exit_codes.PREEMPTED
+    except NonFiniteStop as e:
+        print(f"europa-jax: stopped: {e}", file=sys.stderr)
+        return exit_codes.NONFINITE
+    except CheckpointError as e:
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    summary = {"steps": cfg.train.steps}
+    if records:  # empty when the run directory already held the final step
+        summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
+    print(json.dumps(summary))
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
