@@ -53,13 +53,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=2))
             return exit_codes.OK
         _use_cpu_devices(cfg.mesh.n_devices)
-        return _train(cfg, args.run_dir)
+        return run_training(cfg, args.run_dir)
     except (ConfigError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
 
 
-def _train(cfg, run_dir: str | None) -> int:
+def run_training(cfg, run_dir: str | None) -> int:
+    """Train and map the outcome to an `exit_codes` value (also used by multi-process launchers)."""
     from europa_jax.checkpoint import CheckpointError
     from europa_jax.loop import NonFiniteStop, train
     from europa_jax.preemption import Preempted

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,50 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_ch
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)
         assert np.all(np.isfinite(after[key])), key
     assert "checkpoint.nan_policy=skip" in err
+
+
+MULTI_PROCESS_DRIVER = """
+import sys, jax
+port, process_id, config, run_dir, *overrides = sys.argv[1:]
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id))
+from europa_jax.cli import run_training
+from europa_jax.config import load_config
+sys.exit(run_training(load_config(config, overrides), run_dir))
+"""
+
+
+def start_two_processes(run_dir, env, *overrides):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS_DRIVER, str(port), str(i),
+                              config_path("tiny-cpu.yaml"), str(run_dir), *TINY, *overrides],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for i in range(2)]
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_the_step_when_only_one_is_signalled(
+        tmp_path, cli_env, reference_run):
+    procs = start_two_processes(tmp_path, cli_env, "checkpoint.every_steps=0")
+    wait_for_step(procs[0], tmp_path, 3)
+    procs[1].send_signal(signal.SIGUSR1)  # process 0 never sees a signal
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [exit_codes.PREEMPTED] * 2, errs[0][-2000:]
+    (saved,) = checkpoint.committed_steps(tmp_path)
+    step_dir = checkpoint.checkpoint_dir(tmp_path) / str(saved)
+    assert sorted(p.name for p in (step_dir / "data").glob("process_*")) == [
+        "process_0-of-2.json", "process_1-of-2.json"]
+    assert checkpoint.read_meta(step_dir)["reason"] == "preempted"
+    assert len(metrics(tmp_path)) == saved
+    procs = start_two_processes(tmp_path, cli_env, "checkpoint.every_steps=0")
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [exit_codes.OK] * 2, errs[0][-2000:]
+    got, want = trajectory(tmp_path), trajectory(reference_run)
+    assert [s for s, *_ in got] == [s for s, *_ in want]
+    np.testing.assert_allclose([r[1:] for r in got], [r[1:] for r in want], rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- in process
