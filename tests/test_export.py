@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import torch  # the test extra: an independent DeepseekV3 to compare logits with
+import transformers
 from safetensors import safe_open
 
 from europa_jax import checkpoint, exit_codes, hf_import, loop
@@ -18,9 +20,6 @@ from europa_jax.config import ConfigError, load_config
 from europa_jax.export import export
 from europa_jax.model.transformer import Transformer
 from conftest import REPO, config_path
-
-torch = pytest.importorskip("torch", reason="parity needs the test extra (torch, transformers)")
-transformers = pytest.importorskip("transformers")
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.
 TRAIN = ["train.steps=3", "checkpoint.every_steps=0", "data.max_documents=40",
