@@ -115,7 +115,7 @@ class NonFiniteStop(Exception):
 class NonFiniteGuard:
     """Applies `checkpoint.nan_policy` to the `finite` flag of each step's metrics.
 
-    The step itself already left the state unchanged (train.keep_if_not); this decides
+    The step itself already left the state unchanged (train.revert_if_nonfinite); this decides
     whether to go on. Every process sees the same (global) loss, so all decide alike.
     """
 

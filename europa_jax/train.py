@@ -160,10 +160,10 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     }
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            router_bias_LE=router_bias_LE)
-    return keep_if_not(finite, new_state, state), metrics
+    return revert_if_nonfinite(finite, new_state, state), metrics
 
 
-def keep_if_not(finite: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+def revert_if_nonfinite(finite: jax.Array, new: TrainState, old: TrainState) -> TrainState:
     """`new`, or `old` with the step counted when the loss or a gradient was NaN/Inf.
 
     One bad batch (or an overflow) must not poison the weights or the Adam/Muon moments;
