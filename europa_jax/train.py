@@ -212,9 +212,12 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)
     load_LE = counts_LE.astype(jnp.float32)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
+        "finite": finite,
         "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
         "expert_load_max_over_mean": jnp.mean(load_LE.max(-1) / load_LE.mean(-1)),
         "moe_dropped_fraction": 1.0 - stats["processed_copies"].sum()
@@ -225,8 +228,20 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         / stats["routed_copies"].sum(),
         "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      router_bias_LE=router_bias_LE), metrics
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                           router_bias_LE=router_bias_LE)
+    return revert_if_nonfinite(finite, new_state, state), metrics
+
+
+def revert_if_nonfinite(finite: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+    """`new`, or `old` with the step counted when the loss or a gradient was NaN/Inf.
+
+    One bad batch (or an overflow) must not poison the weights or the Adam/Muon moments;
+    the loop's `checkpoint.nan_policy` decides whether the run goes on. The step still
+    advances so that the step count keeps matching the batches consumed.
+    """
+    kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return kept.replace(step=new.step)
 
 
 def jit_train_step(trainer: Trainer):
