@@ -54,6 +54,9 @@ def test_tiny_plan_agrees_with_the_real_run():
     with jax.set_mesh(mesh):
         real = train.jit_train_step(trainer).lower(state, batch).compile().memory_analysis()
     planned = report["memory"]["step"]["xla_cpu"]
+    print("tiny-cpu plan vs real step, bytes per device:", {
+        f: (planned[f], getattr(real, f"{f}_size_in_bytes"))
+        for f in ("argument", "output", "alias", "temp")}, "state:", live)
     for field in ("argument", "output", "alias", "temp"):
         assert planned[field] == pytest.approx(getattr(real, f"{field}_size_in_bytes"), rel=0.01)
     real_total = (real.argument_size_in_bytes + real.output_size_in_bytes
