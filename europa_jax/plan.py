@@ -5,7 +5,9 @@ fake mesh of XLA:CPU devices with the config's device count and read four ways:
 - state bytes per memory kind, from the train state's shardings: exact, these are the
   shards every GPU holds (`pinned_host` leaves live in Grace memory);
 - `compiled.memory_analysis()`: arguments, outputs and XLA's temporaries (activations,
-  gradients, workspaces) of the *XLA:CPU* program. The GPU program differs: XLA:CPU
+  gradients, workspaces) of the *XLA:CPU* program — of the whole step, and of its two
+  phases compiled alone (forward+backward; the optimizer update), so that the report
+  says which one does not fit. The GPU program differs: XLA:CPU
   widens bf16 buffers to f32, runs the blocked expert matmul instead of ragged_dot, and
   ignores memory kinds — so host-resident state and offloaded activations (read from
   the step's jaxpr) are taken out of its device numbers here;
@@ -19,7 +21,10 @@ Depth: layers are scanned, so a full-depth compile costs about what a 3-layer on
 (europa-952b on 384 devices: ~70 s, 1.4 GB of RAM) and is the default. With unrolled
 layers, or when asked (`probe_moe_layers`), two shallower stacks are compiled and every
 compiled number is extrapolated linearly per MoE layer; the report says which was done.
-Nothing else about the config is ever reduced.
+A step's temporaries peak in one phase, and which phase can change with depth (on
+europa-952b, forward+backward below 8 MoE layers, the update above), so an extrapolated
+step needs at least the larger of its extrapolated phases. Nothing else about the config
+is ever reduced.
 
 Step time (hardware.py) — compute and the three links work concurrently, so
     step ≈ max(compute + optimizer update, NVLink, InfiniBand, NVLink-C2C)   (overlapped)
@@ -38,13 +43,13 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
+import optax
 
 from europa_jax import flops, hardware, hlo_report, sharding, train
 from europa_jax.config import Config
 
 PROBE_MOE_LAYERS = (2, 3)  # not 1: XLA may simplify a one-trip loop away
-TOP_BUFFERS = 5
+TOP_BUFFERS = 8
 # The plan never runs what it compiles: skipping LLVM's optimizations halves XLA:CPU's
 # compile time and leaves buffer assignment (memory_analysis) unchanged (measured).
 COMPILE_ONLY_FLAGS = ("--xla_backend_optimization_level=0",
@@ -113,6 +118,17 @@ def _lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
         return trainer.loss(params, router_bias_LE, batch)[0]
 
     return jax.jit(jax.grad(loss)).lower(_on_device(state.params), state.router_bias_LE, batch)
+
+
+def _lower_update(trainer: train.Trainer, state: train.TrainState):
+    """The optimizer update alone, on device values: gradients shaped like the parameters."""
+    def update(grads, opt_state, params):
+        updates, opt_state = trainer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = _on_device(state.params)
+    return jax.jit(update, donate_argnums=(1, 2)).lower(params, _on_device(state.opt_state),
+                                                         params)
 
 
 def _hlo(lowered) -> str:
@@ -184,11 +200,13 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
                                                             batch)))
         compiled = lowered.compile()
         loss_compiled = loss_lowered.compile()
+        update_memory = _lower_update(trainer, state).compile().memory_analysis()
     text = compiled.as_text()
     cost = compiled.cost_analysis()
     numbers = {}
     for prefix, mem in (("memory", compiled.memory_analysis()),
-                        ("memory_fb", loss_compiled.memory_analysis())):
+                        ("memory_fb", loss_compiled.memory_analysis()),
+                        ("memory_update", update_memory)):
         numbers.update({f"{prefix}/{f}": float(getattr(mem, f"{f}_size_in_bytes"))
                         for f in ("argument", "output", "alias", "temp", "generated_code")})
     numbers.update({
@@ -304,8 +322,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     act_host = numbers.get("host/activations", 0.0)
     host_total = host_state + act_host
     # XLA:CPU counts host-kind arguments and offloaded saves as its own memory: take them out.
-    step, fb = _xla(numbers, "memory"), _xla(numbers, "memory_fb")
-    step_device = fb_device = None
+    step, fb, upd = (_xla(numbers, p) for p in ("memory", "memory_fb", "memory_update"))
+    step_device = fb_device = update_device = None
     if step:
         step_device = (step["argument"] - host_state + max(0.0, step["output"] - step["alias"])
                        + step["temp"] - act_host + step["generated_code"])
@@ -314,6 +332,13 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         fb_device = (fb["argument"] + fb["output"] + fb["temp"] - act_host + fb["generated_code"]
                      + held["optimizer_state"].get("device", 0)
                      + held["other_state"].get("device", 0))
+        # the update alone: parameters, gradients and optimizer state all on device
+        update_device = (upd["argument"] + upd["output"] - upd["alias"] + upd["temp"]
+                         + upd["generated_code"])
+        if compiled.get("probe_moe_layers"):
+            # Temporaries are a peak over the program's phases, and the phase at the peak
+            # can change with depth: a step needs at least what each of its phases needs.
+            step_device = max(step_device, fb_device, update_device)
 
     # Analytic FLOPs assume one document per row: full causal attention (the worst case,
     # and the common one at 65,536 tokens per row, see benchmarks/data_balance.py).
@@ -344,6 +369,9 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
                                  "fits_device": fb_device is not None
                                  and fb_device <= machine.hbm_bytes,
                                  "largest_buffers": largest["forward_backward"]},
+            "update": {"xla_cpu": upd, "device_total": update_device,
+                       "fits_device": update_device is not None
+                       and update_device <= machine.hbm_bytes},
         },
         "flops": {"model": model_flops, "recompute_factor": recompute,
                   "optimizer": optimizer_flops, "executed": executed,

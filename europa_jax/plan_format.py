@@ -18,6 +18,7 @@ def _fits(ok: bool) -> str:
 
 def _memory(r: dict[str, Any]) -> list[str]:
     m, hw = r["memory"], r["machine"]
+    probed = r["compiled"].get("probe_moe_layers")
     held = m["state"]
     row = lambda label, dev="", host="": f"  {label:<50}{dev:>14}{host:>14}"
     lines = [f"{'memory per device':<52}{'device':>14}{'host':>14}"]
@@ -30,19 +31,24 @@ def _memory(r: dict[str, Any]) -> list[str]:
                          size(rep["bytes"])))
     lines.append(row("saved activations offloaded", "", size(m["activations_offloaded"])))
     for label, key in (("whole step: state + XLA:CPU program", "step"),
-                       ("forward+backward alone: its program + state", "forward_backward")):
+                       ("forward+backward alone: its program + state", "forward_backward"),
+                       ("optimizer update alone: its program", "update")):
         part = m[key]
         if part["xla_cpu"]:
-            lines.append(row(f"{label}", size(part["device_total"])))
-            lines.append(row(f"  of which XLA temporaries", size(part["xla_cpu"]["temp"]
-                                                                 - m["activations_offloaded"])))
+            offloaded = m["activations_offloaded"] if key != "update" else 0.0
+            lines.append(row(label, size(part["device_total"])))
+            if not (key == "step" and probed):  # there: the largest of its phases
+                lines.append(row("  of which XLA temporaries",
+                                 size(part["xla_cpu"]["temp"] - offloaded)))
             lines.append(row("", _fits(part["fits_device"])))
     lines.append(row("host total", "", size(m["host_total"])))
     lines.append(row("budget per GPU", size(hw["hbm_bytes"]), size(hw["host_bytes"])))
     lines.append(row("", "", _fits(m["fits_host"])))
     for key, label in (("step", "the step"), ("forward_backward", "forward+backward")):
         if m[key]["largest_buffers"]:
-            lines += [f"largest buffers of {label} (XLA:CPU program: some bf16 widened to f32):"]
+            depth = f" at {probed[1]} MoE layers" if probed else ""
+            lines += [f"largest buffers of {label}{depth} (XLA:CPU program: some bf16 widened "
+                      "to f32):"]
             for b in m[key]["largest_buffers"]:
                 shape = f"{b['dtype']}[{','.join(map(str, b['shape']))}]"
                 lines.append(f"  {size(b['bytes']):>12}  {shape:<26} …{b['source'][-70:]}")

@@ -80,6 +80,7 @@ def test_depth_extrapolation_matches_the_full_compile_within_5_percent():
         m, f = r["memory"], r["flops"]
         out = {"step_device": m["step"]["device_total"], "step_temp": m["step"]["xla_cpu"]["temp"],
                "fb_device": m["forward_backward"]["device_total"],
+               "update_device": m["update"]["device_total"],
                "host_total": m["host_total"], "activations": m["activations_offloaded"],
                "hlo_matmul": f["hlo_matmul_loss"], "optimizer_flops": f["optimizer"]}
         for key in ("step", "partitioner"):
