@@ -60,8 +60,7 @@ class Trainer:
         sharded = jax.shard_map(
             body, mesh=self.mesh, in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}),
             out_specs=(P(), P()), check_vma=False)
-        entry = comm.param_entry_dtype(self.spmd)
-        return sharded(jax.tree.map(lambda p: p.astype(entry), params), router_bias_LE, batch)
+        return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch)
 
 
 def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
