@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     plan.add_argument("--probe-moe-layers", metavar="A,B",
-                      help="compile A and B MoE layers and extrapolate to the config's depth")
+                      help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
+                      "config's depth")
 
     prepare = sub.add_parser("prepare", help="tokenize text/JSONL files into a training corpus")
     source = prepare.add_mutually_exclusive_group(required=True)
@@ -103,7 +104,7 @@ def _plan(args: argparse.Namespace, cfg) -> int:
             probes = ()
         if len(probes) != 2 or min(probes) < 1 or probes[0] == probes[1]:
             raise ConfigError(f"--probe-moe-layers {args.probe_moe_layers!r}: expected two "
-                              "different positive layer counts, e.g. 2,3")
+                              "different positive layer counts, e.g. 4,6")
     from europa_jax import plan, plan_format  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))

@@ -67,13 +67,13 @@ def test_tiny_plan_agrees_with_the_real_run():
 
 @pytest.mark.slow
 def test_depth_extrapolation_matches_the_full_compile_within_5_percent():
-    """2 and 3 MoE layers extrapolated to 5 against compiling all 5, with state and
-    activations offloaded so host bytes are extrapolated too."""
-    overrides = {**TEST_SIZE, "model.n_layers": 6, "offload.optimizer_state": "true",
+    """4 and 6 MoE layers (plan.PROBE_MOE_LAYERS) extrapolated to 10 against compiling
+    all 10, with state and activations offloaded so host bytes are extrapolated too."""
+    overrides = {**TEST_SIZE, "model.n_layers": 11, "offload.optimizer_state": "true",
                  "offload.activations": "offload_layer_inputs"}
     full = plan_json("tiny-cpu.yaml", overrides)
-    probed = plan_json("tiny-cpu.yaml", overrides, "--probe-moe-layers", "2,3")
-    assert probed["compiled"]["probe_moe_layers"] == [2, 3]
+    probed = plan_json("tiny-cpu.yaml", overrides, "--probe-moe-layers", "4,6")
+    assert probed["compiled"]["probe_moe_layers"] == [4, 6]
     assert full["compiled"]["mode"] == "full depth"
 
     def numbers(r):
