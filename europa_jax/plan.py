@@ -18,11 +18,11 @@ fake mesh of XLA:CPU devices with the config's device count and read four ways:
   ones the SPMD partitioner adds outside the shard_map (the optimizer update).
 
 Depth: layers are scanned, so a full-depth compile costs about what a 3-layer one does
-(europa-952b on 384 devices: ~70 s, 1.4 GB of RAM) and is the default. With unrolled
+(europa-952b on 384 devices: ~50 s, 1.3 GB of RAM) and is the default. With unrolled
 layers, or when asked (`probe_moe_layers`), two shallower stacks are compiled and every
 compiled number is extrapolated linearly per MoE layer; the report says which was done.
 A step's temporaries peak in one phase, and which phase can change with depth (on
-europa-952b, forward+backward below 8 MoE layers, the update above), so an extrapolated
+europa-952b, forward+backward up to 4 MoE layers, the update from 6 on), so an extrapolated
 step needs at least the larger of its extrapolated phases. Nothing else about the config
 is ever reduced.
 
