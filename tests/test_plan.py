@@ -125,9 +125,10 @@ def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
     # one device's shard of w_up [L, E, D, F] is E/4 × F/2 of it (expert × data)
     w_up = state.params["moe_layers"]["moe"]["w_up"]
     assert plan._per_device_bytes(w_up) == math.prod(w_up.shape) * 4 // 8
-    # every replicated parameter really leaves a mesh axis unused
-    for row in plan.replicated_params(state, mesh):
-        assert row["over"] in ("data", "expert", "data+expert") and row["bytes"] > 0
+    # norm scales are replicated by the rules ('norm' → no mesh axis); each copy is counted
+    copied = {row["name"]: row for row in plan.replicated_params(state, mesh)}
+    assert copied["scale"]["over"] == "data+expert" and copied["scale"]["bytes"] > 0
+    assert "w_up" not in copied
 
 
 def test_extrapolate_reads_each_number_off_its_line():
