@@ -82,6 +82,9 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention_block_size: int = 512
+    # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
+    # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
+    loss_chunk_tokens: int = 4096
     # Expert matmuls: ragged_dot (GPU/TPU kernels) or blocked (exact, fast on XLA:CPU).
     grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = "auto"
     # null = dropless (exchange buffers sized for the worst case). A float bounds rows per
@@ -99,6 +102,8 @@ class ModelConfig:
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
                               f"model.n_layers={self.n_layers}]")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"model.loss_chunk_tokens: {self.loss_chunk_tokens} must be >= 0")
         if self.n_shared_experts < 0:
             raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} must be >= 0")
         if self.top_k > self.n_routed_experts:
@@ -311,6 +316,9 @@ class Config:
         if data.seq_len % m.attention_block_size:
             raise ConfigError(f"data.seq_len: {data.seq_len} is not divisible by "
                               f"model.attention_block_size={m.attention_block_size}")
+        if 0 < m.loss_chunk_tokens < data.seq_len and data.seq_len % m.loss_chunk_tokens:
+            raise ConfigError(f"model.loss_chunk_tokens: {m.loss_chunk_tokens} does not divide "
+                              f"data.seq_len={data.seq_len} (0 = the whole sequence at once)")
         if data.global_batch_size % mesh.n_devices:
             raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
                               f"by the mesh's {mesh.n_devices} devices (data×expert)")

@@ -186,13 +186,12 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
 
     Sums are taken over every device under SPMD (comm.psum_all), so the mean is global.
     """
-    logits_BSV, stats = model.apply({"params": params}, batch["tokens"], batch["segment_ids"],
-                                    batch["positions"], router_bias_LE)
     tokens_BS, segments_BS = batch["tokens"], batch["segment_ids"]
     targets_BS = jnp.roll(tokens_BS, -1, axis=1)
     same_doc_BS = (jnp.roll(segments_BS, -1, axis=1) == segments_BS) & (segments_BS > 0)
     weight_BS = same_doc_BS.at[:, -1].set(False).astype(jnp.float32)
-    nll_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
+    nll_BS, stats = model.apply({"params": params}, tokens_BS, segments_BS, batch["positions"],
+                                router_bias_LE, targets_BS)
     total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
     return total[0] / jnp.maximum(total[1], 1.0), stats
 

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model.attention import MLAttention
+from europa_jax.model import lm_head
 from europa_jax.model.layers import RMSNorm, SwiGLU, rope_tables, weight
 from europa_jax.model.moe import MoE
 
@@ -58,8 +59,11 @@ class Transformer(nn.Module):
     remat_policy: Callable | None = None
 
     @nn.compact
-    def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE):
-        """Returns float32 logits [B, S, V] and per-MoE-layer stats stacked over L."""
+    def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE,
+                 targets_BS=None):
+        """float32 logits [B, S, V] and per-MoE-layer stats stacked over L; given targets,
+        each position's cross entropy [B, S] instead of the logits (lm_head.token_nll:
+        `model.loss_chunk_tokens` positions' logits at a time)."""
         cfg = self.cfg
         v, d = cfg.padded_vocab_size, cfg.d_model
         embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, min_wire="bf16")
@@ -73,10 +77,10 @@ class Transformer(nn.Module):
 
         x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
         head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, min_wire="bf16")
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV, preferred_element_type=jnp.float32)
-        if v > cfg.vocab_size:  # padding rows exist only to divide the mesh: never predicted
-            logits_BSV = jnp.where(jnp.arange(v) < cfg.vocab_size, logits_BSV, -1e30)
-        return logits_BSV, stats
+        if targets_BS is None:
+            return lm_head.logits(x_BSD, head_DV, cfg.vocab_size), stats
+        return lm_head.token_nll(x_BSD, head_DV, targets_BS, cfg.vocab_size,
+                                 cfg.loss_chunk_tokens), stats
 
     def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, *, is_moe, n,
                name):
