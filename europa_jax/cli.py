@@ -12,6 +12,7 @@ import sys
 
 from europa_jax.config import ConfigError, load_config
 from europa_jax.corpus import DataError
+from europa_jax.distributed import StartError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))
             return 0
-        _use_cpu_devices(cfg.mesh.n_devices)
+        from europa_jax import distributed
+
+        distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
         from europa_jax.loop import train
 
         records = train(cfg, args.run_dir)
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return 2
+    except StartError as e:  # a rank missing or unreachable: not the user's input
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

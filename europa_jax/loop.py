@@ -11,7 +11,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax import data, flops, sharding
+from europa_jax import data, distributed, flops
 from europa_jax.config import Config, check_device_count, to_dict
 from europa_jax.train import Trainer, build_trainer, init_state, jit_train_step
 
@@ -40,7 +40,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     run_dir = Path(run_dir or cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
     state = init_state(trainer, cfg.train.seed)
     step_fn = jit_train_step(trainer)
