@@ -1,4 +1,4 @@
-"""`europa-jax train|count|prepare`: the command line.
+"""`europa-jax train|prepare|export|import|count`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from europa_jax import exit_codes
 from europa_jax.config import ConfigError, load_config
 from europa_jax.corpus import DataError
 from europa_jax.distributed import StartError
@@ -24,6 +25,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set optim.learning_rate=1e-3")
     train.add_argument("--run-dir", help="where metrics.jsonl goes (default: train.run_dir)")
+
+    export = sub.add_parser("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
+    export.add_argument("run_dir")
+    export.add_argument("--out", required=True, help="output directory (created)")
+    export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    export.add_argument("--max-shard-size", default="5GB", help="bound per safetensors file")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    imp = sub.add_parser("import", help="Hugging Face DeepseekV3 safetensors → a run directory")
+    imp.add_argument("hf_dir")
+    imp.add_argument("--config", required=True, help="the YAML config to train it with")
+    imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    imp.add_argument("--out", required=True, help="run directory to create")
+    imp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
     count = sub.add_parser("count", help="parameter counts from shapes alone (no allocation)")
     count.add_argument("config")
@@ -75,7 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "export":
+            return _export(args)
         cfg = load_config(args.config, args.set)
+        if args.command == "import":
+            _use_cpu_devices(cfg.mesh.n_devices)
+            from europa_jax.hf_import import import_hf
+
+            print(json.dumps(import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)))
+            return exit_codes.OK
         if args.command == "count":
             _use_cpu_devices(1)
             from europa_jax.train import abstract_variables
@@ -86,22 +110,55 @@ def main(argv: list[str] | None = None) -> int:
             report = flops.parameter_counts(cfg.model, params)
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))
-            return 0
+            return exit_codes.OK
         from europa_jax import distributed
 
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
-        from europa_jax.loop import train
-
-        records = train(cfg, args.run_dir)
-        print(json.dumps({"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
-                          "steps": cfg.train.steps}))
-        return 0
+        return run_training(cfg, args.run_dir)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
-        return 2
-    except StartError as e:  # a rank missing or unreachable: not the user's input
+        return exit_codes.BAD_INPUT
+    except StartError as e:  # the distributed runtime refused to start: not the user's input
         print(f"europa-jax: error: {e}", file=sys.stderr)
-        return 1
+        return exit_codes.CRASH
+
+
+def _export(args) -> int:
+    from europa_jax.checkpoint import CheckpointError
+    from europa_jax.export import export, parse_size
+
+    try:
+        summary = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                         max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite)
+    except CheckpointError as e:
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    print(json.dumps(summary))
+    return exit_codes.OK
+
+
+def run_training(cfg, run_dir: str | None) -> int:
+    """Train and map the outcome to an `exit_codes` value (also used by multi-process launchers)."""
+    from europa_jax.checkpoint import CheckpointError
+    from europa_jax.loop import NonFiniteStop, train
+    from europa_jax.preemption import Preempted
+
+    try:
+        records = train(cfg, run_dir)
+    except Preempted as e:
+        print(f"europa-jax: {e}", file=sys.stderr)
+        return exit_codes.PREEMPTED
+    except NonFiniteStop as e:
+        print(f"europa-jax: stopped: {e}", file=sys.stderr)
+        return exit_codes.NONFINITE
+    except CheckpointError as e:
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    summary = {"steps": cfg.train.steps}
+    if records:  # empty when the run directory already held the final step
+        summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
+    print(json.dumps(summary))
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

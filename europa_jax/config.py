@@ -272,6 +272,27 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Orbax checkpoints in `<run_dir>/checkpoints` and what a run does on a non-finite step."""
+
+    # A save every N steps (0: none); a run also saves at its end and when preempted.
+    every_steps: int = 100
+    keep: int = 3  # the newest K; >= 2 lets a corrupted latest fall back to the one before
+    # Device→host copy blocks the loop; the write to disk overlaps the following steps.
+    async_save: bool = True
+    # A step whose loss or gradient norm is NaN/Inf never changes the state (train.py);
+    # "skip" goes on with the next batch, "stop" ends the run keeping the last checkpoint.
+    nan_policy: Literal["skip", "stop"] = "skip"
+    max_consecutive_skips: int = 10  # then "skip" stops too: the run is not recovering
+
+    def __post_init__(self):
+        _positive(self, "keep", "max_consecutive_skips")
+        if self.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps: {self.every_steps} must be >= 0 "
+                              "(0 saves only at the end and on preemption)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -280,6 +301,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         m, mesh, data = self.model, self.mesh, self.data
@@ -403,7 +425,7 @@ def to_dict(cfg: Any) -> dict:
 
 def _positive(obj: Any, *keys: str) -> None:
     section = {ModelConfig: "model", MeshConfig: "mesh", OptimConfig: "optim",
-               DataConfig: "data", TrainConfig: "train",
+               DataConfig: "data", TrainConfig: "train", CheckpointConfig: "checkpoint",
                RopeScalingConfig: "model.rope_scaling"}[type(obj)]
     for key in keys:
         value = getattr(obj, key)

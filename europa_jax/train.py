@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import comm, optim, sharding
+from europa_jax import comm, offload, optim, sharding
 from europa_jax.config import Config, ConfigError
 from europa_jax.model.moe import updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
@@ -80,7 +80,7 @@ def abstract_variables(cfg: Config) -> Any:
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload))
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps)
     boxed = abstract_variables(cfg)
     param_specs = sharding.specs_for(boxed, sharding.mesh_shape_of(mesh))
@@ -88,10 +88,14 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     param_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs,
                                    is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(mesh, P())
-    opt_shardings = shardings_like_params(jax.eval_shape(tx.init, abstract_params),
-                                          abstract_params, param_shardings, replicated)
-    state_shardings = TrainState(step=replicated, params=param_shardings,
-                                 opt_state=opt_shardings, router_bias_LE=replicated)
+    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = shardings_like_params(abstract_opt_state, abstract_params, param_shardings,
+                                          replicated)
+    state_shardings = offload.place_state(
+        TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                   router_bias_LE=replicated),
+        TrainState(step=None, params=abstract_params, opt_state=abstract_opt_state,
+                   router_bias_LE=None), cfg.offload)
     batch_spec = sharding.resolve_spec(("batch", "seq"), (cfg.data.global_batch_size,
                                                           cfg.data.seq_len),
                                        sharding.mesh_shape_of(mesh))
@@ -198,16 +202,22 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """One optimizer step; pure, so it is jitted once with shardings and donation."""
     cfg, tx = trainer.cfg, trainer.tx
     grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
-    (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    # Offloaded leaves arrive in host memory; out_shardings send the new ones back there.
+    params = offload.to_device(state.params, trainer.state_shardings.params)
+    opt_state = offload.to_device(state.opt_state, trainer.state_shardings.opt_state)
+    (loss, stats), grads = grad_fn(params, state.router_bias_LE, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
     counts_LE = stats["expert_counts_E"]
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)
     load_LE = counts_LE.astype(jnp.float32)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
+        "finite": finite,
         "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
         "expert_load_max_over_mean": jnp.mean(load_LE.max(-1) / load_LE.mean(-1)),
         "moe_dropped_fraction": 1.0 - stats["processed_copies"].sum()
@@ -218,8 +228,20 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         / stats["routed_copies"].sum(),
         "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      router_bias_LE=router_bias_LE), metrics
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                           router_bias_LE=router_bias_LE)
+    return revert_if_nonfinite(finite, new_state, state), metrics
+
+
+def revert_if_nonfinite(finite: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+    """`new`, or `old` with the step counted when the loss or a gradient was NaN/Inf.
+
+    One bad batch (or an overflow) must not poison the weights or the Adam/Muon moments;
+    the loop's `checkpoint.nan_policy` decides whether the run goes on. The step still
+    advances so that the step count keeps matching the batches consumed.
+    """
+    kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return kept.replace(step=new.step)
 
 
 def jit_train_step(trainer: Trainer):

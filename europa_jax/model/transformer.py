@@ -6,6 +6,8 @@ E routed experts, P2 rotary frequency pairs.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -39,17 +41,21 @@ class DecoderBlock(nn.Module):
         return h_BSD + mlp_out_BSD, stats
 
 
-def _block_class(cfg: ModelConfig):
-    if cfg.remat == "full":  # recompute everything in backward; only layer inputs are kept
-        return nn.remat(DecoderBlock, policy=jax.checkpoint_policies.nothing_saveable,
-                        prevent_cse=not cfg.scan_layers)
-    return DecoderBlock
+def _block_class(cfg: ModelConfig, policy: Callable | None):
+    """The block under the activation policy: offload.py's if given, else model.remat."""
+    if policy is None and cfg.remat == "full":  # recompute all; keep only block inputs
+        policy = jax.checkpoint_policies.nothing_saveable
+    if policy is None:
+        return DecoderBlock
+    return nn.remat(DecoderBlock, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
 class Transformer(nn.Module):
     """Embedding → first `n_dense_layers` dense blocks → MoE blocks → norm → LM head."""
 
     cfg: ModelConfig
+    # jax.checkpoint policy naming what backward keeps, offloads or recomputes (offload.py)
+    remat_policy: Callable | None = None
 
     @nn.compact
     def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE):
@@ -78,7 +84,7 @@ class Transformer(nn.Module):
         """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
         if n == 0:
             return x_BSD, None
-        block_cls = _block_class(self.cfg)
+        block_cls = _block_class(self.cfg, self.remat_policy)
         bias_axis = 0 if is_moe else nn.broadcast
         if self.cfg.scan_layers:
             scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},

@@ -1,0 +1,318 @@
+"""Orbax checkpoints that survive the machine: async sharded saves, keep-K, validated resume.
+
+Layout: `<run_dir>/checkpoints/<step>/` with three Orbax items,
+- `state`: the `TrainState` (params, optimizer state, router bias, step), written by every
+  process for its own shards (OCDBT/zarr). Scanned `[L, ...]` stacks are stored one layer
+  per chunk, so export can read a layer without touching the others.
+- `data`: each process's input-iterator state, `process_<i>-of-<n>.json`.
+- `meta`: the resolved config, why and when it was saved, and a fingerprint per array.
+
+Atomicity is Orbax's: a step is written into `<step>.orbax-checkpoint-tmp-*` and renamed
+when every process has finished, so a save killed midway is never listed (and its temp dir
+is removed when the next run opens the directory). What a rename cannot catch — a file
+truncated or altered later, by a full disk or a bad node — the fingerprint does: a sum of
+every array's bit patterns mod 2^32, exact and independent of sharding (integer addition
+is associative), so it is recomputed after restore on any mesh. A checkpoint that fails to
+restore or whose fingerprint differs is moved to `<run_dir>/corrupt_checkpoints/` and the
+previous one is used.
+
+Restore targets the *current* trainer's shardings, so a run saved on a 2×4 mesh resumes on
+4×2 or 1×8 (Orbax reads each device's slice from whatever chunks hold it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint.checkpoint_managers import preservation_policy
+
+from europa_jax.config import Config, ModelConfig, to_dict
+from europa_jax.train import Trainer, TrainState
+
+CHECKPOINT_SUBDIR = "checkpoints"
+CORRUPT_SUBDIR = "corrupt_checkpoints"
+# Model fields that fix parameter shapes or the tree: a checkpoint made with other values
+# cannot be this model, which is a user error (not corruption to fall back from).
+SHAPE_FIELDS = ("vocab_size", "vocab_pad_multiple", "d_model", "n_layers", "n_dense_layers",
+                "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts",
+                "n_shared_experts", "expert_ffn_dim", "param_dtype", "scan_layers")
+SCANNED_STACKS = ("dense_layers", "moe_layers")
+
+Log = Callable[..., None]
+
+
+class CheckpointError(Exception):
+    """A checkpoint problem a user must look at; the message is one line."""
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """The checkpoint is intact but was made for another model shape."""
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def leaf_key(path) -> str:
+    """Orbax's name for a tree leaf ('params.moe_layers.moe.w_gate'): its storage key too."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return ".".join(parts)
+
+
+def _bit_sum(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return jnp.sum(x, dtype=jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    return jnp.sum(jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_bit_sums = jax.jit(lambda tree: jax.tree.map(_bit_sum, tree))
+
+
+def fingerprint(tree: Any) -> dict[str, int]:
+    """Per-leaf sum of bit patterns mod 2^32: equal iff (almost surely) the bits are equal."""
+    sums = jax.device_get(_bit_sums(tree))
+    return {leaf_key(path): int(value)
+            for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+def host_bit_sum(x: np.ndarray) -> int:
+    """`fingerprint` of one host array (or a slice of one: partial sums add mod 2^32)."""
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
+    return int(np.ascontiguousarray(x).view(unsigned).sum(dtype=np.uint64) % 2**32)
+
+
+# ----------------------------------------------------------------------------- per-process JSON
+
+
+class ProcessJsonHandler(ocp.CheckpointHandler):
+    """One JSON file per process (the input iterator's position is per process)."""
+
+    def save(self, directory, args: "ProcessJsonSave"):
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        (directory / name).write_text(json.dumps(args.state))
+
+    def restore(self, directory, args: "ProcessJsonRestore" = None):
+        own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if own.exists():
+            return json.loads(own.read_text())
+        # Saved with another process count: usable only if every process was at the same
+        # position (true of a pipeline where each process reads the whole global stream).
+        states = [json.loads(p.read_text()) for p in sorted(directory.glob("process_*.json"))]
+        if states and all(s == states[0] for s in states):
+            return states[0]
+        raise CheckpointError(f"{directory}: input state saved by {len(states)} processes "
+                              f"differs per process and cannot be mapped to "
+                              f"{jax.process_count()} processes")
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_save=True)
+@dataclasses.dataclass
+class ProcessJsonSave(ocp.args.CheckpointArgs):
+    state: Any
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_restore=True)
+@dataclasses.dataclass
+class ProcessJsonRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: TrainState
+    data_state: dict | None
+    meta: dict
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_SUBDIR
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every process of the job makes one."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, trainer: Trainer):
+        self.cfg, self.trainer = cfg, trainer
+        self.run_dir = Path(run_dir)
+        self.directory = checkpoint_dir(run_dir)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=preservation_policy.LatestN(cfg.checkpoint.keep),
+            enable_async_checkpointing=cfg.checkpoint.async_save,
+            cleanup_tmp_directories=True)  # leftovers of saves killed midway
+        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        self._save_args = jax.tree_util.tree_map_with_path(
+            lambda path, _: ocp.SaveArgs(shard_axes=(0,) if _is_stacked(path) else ()),
+            trainer.state_shardings)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def save(self, step: int, state: TrainState, data_state: dict | None, *, reason: str,
+             extra: dict | None = None) -> None:
+        """Start saving `state` as `step`; returns once the device→host copy is done."""
+        meta = {"step": step, "reason": reason, "config": to_dict(self.cfg),
+                "fingerprint": fingerprint(state), "process_count": jax.process_count(),
+                "mesh": {"data": self.cfg.mesh.data, "expert": self.cfg.mesh.expert},
+                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "versions": {"jax": jax.__version__, "orbax": ocp.__version__}, **(extra or {})}
+        items = {"state": ocp.args.StandardSave(state, save_args=self._save_args),
+                 "meta": ocp.args.JsonSave(meta)}
+        if data_state is not None:
+            items["data"] = ProcessJsonSave(data_state)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore_latest(self, log: Log) -> Restored | None:
+        """The newest checkpoint that restores and matches its fingerprint; None if none exist.
+
+        Raises CheckpointError when checkpoints exist but none is usable (starting over
+        silently would overwrite a run), IncompatibleCheckpoint for a different model.
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        failures = []
+        for step in steps:
+            try:
+                restored = self._restore(step)
+                error = None
+            except IncompatibleCheckpoint:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
+                restored, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            if _all_processes(error is None):
+                log("checkpoint_restored", step=step)
+                return restored
+            error = error or "failed on another process"
+            failures.append(f"step {step}: {error}")
+            log("checkpoint_skipped", step=step, error=error)
+            self._set_aside(step)
+        if failures:
+            raise CheckpointError(f"{self.directory}: no usable checkpoint ({'; '.join(failures)})")
+        return None
+
+    def _restore(self, step: int) -> Restored:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"]
+        check_compatible(meta["config"]["model"], self.cfg.model, self.directory / str(step))
+        abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=sharding), self.abstract_state(),
+            self.trainer.state_shardings)
+        items = {"state": ocp.args.StandardRestore(abstract)}
+        if (self.directory / str(step) / "data").exists():
+            items["data"] = ProcessJsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        state = restored["state"]
+        actual = fingerprint(state)
+        bad = [k for k, v in meta["fingerprint"].items() if actual.get(k) != v]
+        if bad:
+            raise CheckpointError(f"fingerprint mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        return Restored(step, state, restored.get("data"), meta)
+
+    def abstract_state(self) -> TrainState:
+        trainer = self.trainer
+        params = trainer.abstract_params
+        return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                          opt_state=jax.eval_shape(trainer.tx.init, params),
+                          router_bias_LE=jax.ShapeDtypeStruct(
+                              (trainer.cfg.model.n_moe_layers, trainer.cfg.model.n_routed_experts),
+                              jnp.float32))
+
+    def _set_aside(self, step: int) -> None:
+        """Keep an unusable checkpoint for inspection, out of the way of the step re-saved."""
+        if jax.process_index() == 0:
+            target = self.run_dir / CORRUPT_SUBDIR / f"{step}-{datetime.datetime.now():%Y%m%d%H%M%S}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), target)
+        _all_processes(True)  # barrier: nobody lists steps before the move is done
+        self.manager.reload()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _is_stacked(path) -> bool:
+    names = {str(getattr(entry, "key", getattr(entry, "name", ""))) for entry in path}
+    return bool(names & set(SCANNED_STACKS))
+
+
+def _all_processes(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def check_compatible(saved_model: dict, model: ModelConfig, where: Path) -> None:
+    for key in SHAPE_FIELDS:
+        if saved_model.get(key) != getattr(model, key):
+            raise IncompatibleCheckpoint(
+                f"{where}: saved with model.{key}={saved_model.get(key)!r} but the config has "
+                f"model.{key}={getattr(model, key)!r}; use a new run directory for a new model")
+
+
+# ----------------------------------------------------------------------------- reading without devices
+
+
+def committed_steps(run_dir: str | Path) -> list[int]:
+    """Committed steps, oldest first (temporary dirs of unfinished saves are not steps)."""
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_meta(step_dir: Path) -> dict:
+    return json.loads((step_dir / "meta" / "metadata").read_text())
+
+
+def open_saved_array(step_dir: Path, key: str) -> ts.TensorStore:
+    """One array of a saved `state` as a lazy TensorStore: slices read only their chunks.
+
+    Export uses this to stream a checkpoint layer by layer on any host, without devices
+    and without loading the model. The format (zarr inside OCDBT) is what Orbax declares
+    in the item's `_METADATA`; anything else is refused rather than misread.
+    """
+    item = step_dir / "state"
+    layout = json.loads((item / "_METADATA").read_text())
+    if not layout.get("use_ocdbt", False):
+        raise CheckpointError(f"{item}: expected an OCDBT checkpoint (Orbax default)")
+    driver = "zarr3" if layout.get("use_zarr3") else "zarr"
+    spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{item.absolute()}",
+                                         "path": key}}
+    return ts.open(spec, read=True).result()

@@ -1,0 +1,11 @@
+"""Process exit codes of `europa-jax`: the contract with launch scripts (see README).
+
+A Slurm script requeues on `PREEMPTED` (the state was saved; the next run resumes by
+itself) and must not requeue on the others, which a rerun would only repeat.
+"""
+
+OK = 0
+CRASH = 1  # an uncaught exception (Python's own code): a bug or a hardware fault
+BAD_INPUT = 2  # config, command line, checkpoint or weights a user must fix; nothing written
+NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`; last good checkpoint kept
+PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL)

@@ -1,0 +1,61 @@
+"""Stop requests from the scheduler, agreed on by every process of the job.
+
+Slurm sends SIGTERM at a time limit or preemption (then SIGKILL after `KillWait`), and
+SIGUSR1 earlier when the job asks for it with `--signal=USR1@SECONDS`. A signal may reach
+only some processes, or reach them during different steps; if each process stopped on
+its own, one would enter a save (a collective) while another entered the next train step
+(another collective) and the job would hang. So the handler only sets a flag, and after
+every step all processes combine their flags with a tiny all-gather: they see the same
+answer after the same step, save that step together and exit with `exit_codes.PREEMPTED`.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """Raised by the loop after the state of `step` has been saved because of a stop request."""
+
+    def __init__(self, step: int, signal_name: str | None):
+        super().__init__(f"stop requested ({signal_name or 'by another process'}): saved step "
+                         f"{step}, exiting for requeue")
+        self.step = step
+
+
+class StopRequests:
+    """Context manager: catches STOP_SIGNALS while the loop runs; `agreed()` after each step."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequests":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        # Only a flag: the step in flight must finish, and the save must be collective.
+        self.signal_name = signal.Signals(signum).name
+        print(f"europa-jax: {self.signal_name} received: finishing the current step, then "
+              "saving", file=sys.stderr, flush=True)
+
+    def agreed(self) -> bool:
+        """True on every process iff any process has been asked to stop (a collective)."""
+        requested = self.signal_name is not None
+        if jax.process_count() == 1:
+            return requested
+        flags = multihost_utils.process_allgather(np.asarray(requested, np.int32))
+        return bool(np.any(flags))

@@ -1,0 +1,209 @@
+"""Export to / import from the Hugging Face DeepseekV3 layout: logits parity with
+transformers, exact round trip, file layout, and refusals that write nothing."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch  # the test extra: an independent DeepseekV3 to compare logits with
+import transformers
+from safetensors import safe_open
+
+from europa_jax import checkpoint, exit_codes, hf_import, loop
+from europa_jax.config import ConfigError, load_config
+from europa_jax.export import export
+from europa_jax.model.transformer import Transformer
+from conftest import REPO, config_path
+
+# tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.
+TRAIN = ["train.steps=3", "checkpoint.every_steps=0", "data.max_documents=40",
+         "model.remat=none"]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    sets = [a for item in TRAIN for a in ("--set", item)]
+    result = cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(run_dir), *sets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, load_config(config_path("tiny-cpu.yaml"), TRAIN)
+
+
+@pytest.fixture(scope="module")
+def exported_fp32(trained, tmp_path_factory):
+    run_dir, _ = trained
+    out = tmp_path_factory.mktemp("hf") / "fp32"
+    export(run_dir, out, dtype="fp32", max_shard_bytes=400_000)
+    return out
+
+
+def saved_state(run_dir, step=None):
+    """Leaf key → array of a checkpoint (the last one by default)."""
+    step = step if step is not None else checkpoint.committed_steps(run_dir)[-1]
+    step_dir = checkpoint.checkpoint_dir(run_dir) / str(step)
+    keys = checkpoint.read_meta(step_dir)["fingerprint"]
+    return {k: checkpoint.open_saved_array(step_dir, k).read().result()
+            for k in keys if k.startswith("params.") or k == "router_bias_LE"}
+
+
+def nested_params(state):
+    params = {}
+    for key, value in state.items():
+        if key.startswith("params."):
+            *parents, leaf = key.split(".")[1:]
+            node = params
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = jnp.asarray(value)
+    return params
+
+
+def rows_with_documents(cfg):
+    """Packed rows from the real pipeline: one holding a single document, two holding several."""
+    single, several = [], []
+    for batch in loop.host_batch_iterator(cfg):
+        for b in range(batch["tokens"].shape[0]):
+            n_docs = len(np.unique(batch["segment_ids"][b]))
+            (several if n_docs > 1 else single).append({k: v[b] for k, v in batch.items()})
+        if single and len(several) >= 2:
+            rows = single[:1] + several[:2]
+            return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def test_exported_model_matches_transformers_logits_per_document(trained, exported_fp32):
+    run_dir, cfg = trained
+    state = saved_state(run_dir)
+    model, loading = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        exported_fp32, dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading  # no missing, unexpected or mismatched keys
+    model.eval()
+    batch = rows_with_documents(cfg)
+    ours_BSV, _ = Transformer(cfg.model).apply(
+        {"params": nested_params(state)}, batch["tokens"], batch["segment_ids"],
+        batch["positions"], jnp.asarray(state["router_bias_LE"]))
+    ours_BSV = np.asarray(ours_BSV)[..., :cfg.model.vocab_size]
+    worst, documents = 0.0, 0
+    for b in range(ours_BSV.shape[0]):
+        segments = batch["segment_ids"][b]
+        for seg in np.unique(segments):
+            cols = np.flatnonzero(segments == seg)
+            tokens = torch.tensor(batch["tokens"][b, cols][None].astype(np.int64))
+            with torch.no_grad():  # HF has no document mask: one document per call
+                theirs = model(tokens).logits[0].numpy()
+            ours = ours_BSV[b, cols]
+            worst = max(worst, float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))))
+            documents += 1
+    print(f"max relative logits error over {documents} documents: {worst:.2e}")
+    assert documents >= 4
+    assert worst <= 1e-4
+
+
+def test_import_of_export_is_exact(trained, exported_fp32, tmp_path):
+    run_dir, cfg = trained
+    imported = tmp_path / "imported"
+    result = cli("import", str(exported_fp32), "--config", config_path("tiny-cpu.yaml"),
+                 *[a for item in TRAIN for a in ("--set", item)], "--out", str(imported))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoint.committed_steps(imported) == [0]
+    original, back = saved_state(run_dir), saved_state(imported)
+    assert original.keys() == back.keys()
+    v = cfg.model.vocab_size
+    for key in original:
+        a, b = original[key], back[key]
+        if key == "params.embedding":  # padding rows exist only to divide the mesh
+            a, b, pad = a[:v], b[:v], back[key][v:]
+        elif key == "params.lm_head":
+            a, b, pad = a[:, :v], b[:, :v], back[key][:, v:]
+        else:
+            pad = np.zeros(0)
+        np.testing.assert_array_equal(b, a, err_msg=key)
+        assert not np.any(pad), key
+    # Training resumes from the imported weights by itself.
+    sets = [a for item in TRAIN + ["train.steps=1"] for a in ("--set", item)]
+    result = cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(imported), *sets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoint_restored step=0" in result.stderr
+
+
+def test_bf16_export_layout(trained, tmp_path):
+    run_dir, cfg = trained
+    out = tmp_path / "bf16"
+    summary = export(run_dir, out, max_shard_bytes=300_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted({*index["weight_map"].values(), "config.json",
+                            "model.safetensors.index.json"})  # safetensors only: no pickle
+    assert summary["files"] > 3 and summary["step"] == 3
+    names = set(index["weight_map"])
+    assert "model.layers.1.mlp.experts.15.down_proj.weight" in names
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "lm_head.weight" in names
+    total = 0
+    for name in set(index["weight_map"].values()):
+        assert (out / name).stat().st_size <= 300_000 + 20_000  # data bound + header
+        with safe_open(out / name, framework="numpy") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                total += t.nbytes
+                want = np.float32 if key.endswith(("gate.weight", "e_score_correction_bias")) \
+                    else ml_dtypes.bfloat16
+                assert t.dtype == want, key
+                if key == "model.embed_tokens.weight":
+                    assert t.shape == (cfg.model.vocab_size, cfg.model.d_model)
+    assert total == index["metadata"]["total_size"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["first_k_dense_replace"] == 1 and config["torch_dtype"] == "bfloat16"
+    assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["factor"] == 4.0
+
+
+def test_export_refuses_a_non_empty_target_and_a_corrupted_checkpoint(trained, tmp_path):
+    run_dir, _ = trained
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = cli("export", str(run_dir), "--out", str(out))
+    assert result.returncode == exit_codes.BAD_INPUT
+    assert result.stderr.strip().count("\n") == 0 and "not empty" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run_dir, damaged)
+    meta_path = checkpoint.checkpoint_dir(damaged) / "3" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta["fingerprint"]["params.lm_head"] ^= 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match="params.lm_head does not match"):
+        export(damaged, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    assert not list(tmp_path.glob(".never.tmp-*"))
+
+
+def test_import_names_the_first_mismatch_and_writes_nothing(trained, exported_fp32, tmp_path):
+    _, cfg = trained
+    hf = tmp_path / "hf"
+    shutil.copytree(exported_fp32, hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["moe_intermediate_size"] = 32
+    (hf / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size=32 but the config has "
+                                          r"model\.expert_ffn_dim=64"):
+        hf_import.import_hf(hf, cfg, out)
+    shutil.copy(exported_fp32 / "config.json", hf / "config.json")
+    index = json.loads((hf / hf_import.INDEX).read_text())
+    del index["weight_map"]["model.layers.2.mlp.experts.3.up_proj.weight"]
+    (hf / hf_import.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"1 tensors missing, e\.g\. "
+                                          r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        hf_import.import_hf(hf, cfg, out)
+    assert not out.exists()
