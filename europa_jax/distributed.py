@@ -11,9 +11,10 @@ The mesh covers every process's devices, so on CPU each process creates only its
 `mesh.data × mesh.expert / processes`. Collectives between CPU processes go over gloo.
 
 A rank that dies or never arrives must end the job, not hang it: start-up waits at most
-`EUROPA_JAX_INIT_TIMEOUT_S` for every process, and the coordination service aborts the
-others when one misses heartbeats for `EUROPA_JAX_HEARTBEAT_TIMEOUT_S` (a killed peer is
-usually noticed sooner, by the failing collective).
+`EUROPA_JAX_INIT_TIMEOUT_S` for every process, the coordination service aborts the
+others when one misses heartbeats for `EUROPA_JAX_HEARTBEAT_TIMEOUT_S`, and a process
+whose collective failed (on CPU, a dead peer is noticed at once) exits without waiting
+for its peers in jax's shutdown barrier.
 
 This module reads the environment and may set jax config before jax creates its backends,
 so `start` must run before anything touches a device.
@@ -26,8 +27,10 @@ import os
 import re
 import socket
 import sys
+import traceback
 from typing import Mapping
 
+from europa_jax import exit_codes
 from europa_jax.config import ConfigError, MeshConfig
 
 ENV_COORDINATOR = "EUROPA_JAX_COORDINATOR"
@@ -176,6 +179,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
             raise StartError(
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None
+        sys.excepthook = _exit_at_once
     check_devices(mesh, launch, jax.device_count(), jax.local_device_count(),
                   jax.devices()[0].platform)
     print(f"europa-jax: process {jax.process_index()} of {jax.process_count()} "
@@ -183,6 +187,20 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
           f"{jax.local_device_count()} local {jax.devices()[0].platform} devices of "
           f"{jax.device_count()}", file=sys.stderr, flush=True)
     return launch
+
+
+def _exit_at_once(exc_type, exc, tb) -> None:
+    """An uncaught exception in one process of a job: print it and exit now.
+
+    A normal exit would wait in jax's shutdown barrier (up to 300 s) for the other
+    processes, and after a failed collective those may be dead: the job would outlive its
+    failure by minutes. Pending async checkpoint writes are abandoned; an unfinished save
+    is never used (checkpoint.py).
+    """
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_codes.CRASH)
 
 
 def check_devices(mesh: MeshConfig, launch: Launch, n_devices: int, n_local: int,

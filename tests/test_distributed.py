@@ -100,6 +100,18 @@ def test_expert_groups_name_nodes_and_processes():
 # ----------------------------------------------------------------------------- processes
 
 
+COLLECTIVE_LOOP = """
+import sys
+from jax.experimental import multihost_utils
+from europa_jax import distributed
+from europa_jax.config import MeshConfig
+distributed.start(MeshConfig(data=2, expert=4))
+multihost_utils.process_allgather(1)
+print("collectives up", file=sys.stderr, flush=True)
+while True:
+    multihost_utils.process_allgather(1)
+"""
+
 MESH_DRIVER = """
 import json
 from europa_jax import distributed
@@ -117,7 +129,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_processes(n, *, node_of):
+def start_processes(n, *, node_of=lambda i: "n", driver=MESH_DRIVER):
     port = free_port()
     procs = []
     for i in range(n):
@@ -125,7 +137,7 @@ def start_processes(n, *, node_of):
         env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                     distributed.ENV_NUM_PROCESSES: str(n), distributed.ENV_PROCESS_ID: str(i),
                     "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "SLURMD_NODENAME": node_of(i)})
-        procs.append(subprocess.Popen([sys.executable, "-c", MESH_DRIVER], env=env, cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, "-c", driver], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -175,3 +187,19 @@ def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
     assert done.stderr.splitlines()[-1] == (
         "europa-jax: error: process 0 of 2 (slurm) could not join the job: "
         "coordinator_address should be defined.")
+
+
+@pytest.mark.slow
+def test_when_a_peer_dies_the_survivor_exits_at_once_not_after_the_heartbeat():
+    procs = start_processes(2, driver=COLLECTIVE_LOOP)
+    for line in procs[1].stderr:  # until both have run a collective
+        if line.startswith("collectives up"):
+            break
+    procs[1].kill()
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    procs[1].wait()
+    # Not the 100 s heartbeat, not the 300 s shutdown barrier: the failed collective.
+    assert time.time() - killed < 30, err[-3000:]
+    assert procs[0].returncode == 1
+    assert "Gloo" in err and "Traceback" in err
