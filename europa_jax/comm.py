@@ -34,6 +34,7 @@ from europa_jax import sharding
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+WIRE_PRECISION = ("fp8", "bf16", "fp32")  # lowest first
 EXPERT_AXIS = "expert"
 # Logical axes whose sharding over a mesh axis is *kept* when a weight is gathered:
 # expert parallelism — each device computes only the experts it holds.
@@ -72,15 +73,26 @@ def current() -> SpmdContext | None:
     return _CONTEXT.get()
 
 
-def param_entry_dtype(ctx: SpmdContext):
-    """Dtype parameters enter the shard_map in.
+# Used in float32 whatever the wire: the router decides discrete choices, norm scales are
+# tiny and replicated.
+FULL_PRECISION_PARAMS = frozenset({"w_router", "scale"})
+
+
+def cast_for_entry(params, ctx: SpmdContext):
+    """Parameters in the dtype they enter the shard_map in.
 
     Axes a parameter is replicated over (norm scales; on 96 nodes the tensors without a
     factor 3) get their gradient summed by shard_map's transpose in *this* dtype, so it
     is bf16 exactly when both the gather and the reduction are low precision.
     """
     low = ctx.weight_gather_dtype in ("fp8", "bf16") and ctx.grad_reduce_dtype == "bf16"
-    return jnp.bfloat16 if low else jnp.float32
+
+    def cast(path, p):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return p.astype(jnp.bfloat16 if low and name not in FULL_PRECISION_PARAMS else
+                        jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 # ----------------------------------------------------------------------------- FSDP gather
@@ -115,10 +127,11 @@ def local_shape(logical_axes: Sequence[str], global_shape: Sequence[int]) -> tup
 
 
 def gather_weight(w_local: jax.Array, logical_axes: Sequence[str], global_shape: Sequence[int],
-                  compute_dtype, *, matmul: bool = True) -> jax.Array:
+                  compute_dtype, *, min_wire: str = "fp8") -> jax.Array:
     """The full weight (minus kept expert sharding) in `compute_dtype`.
 
-    `matmul=False` (embedding table, norm scales) never quantizes to fp8.
+    `min_wire` floors the configured wire dtype: "bf16" for the embedding table and LM
+    head (never fp8: logits are precision-sensitive), "fp32" for the router and norms.
     """
     ctx = current()
     if ctx is None:
@@ -126,9 +139,7 @@ def gather_weight(w_local: jax.Array, logical_axes: Sequence[str], global_shape:
     plan = gather_plan(logical_axes, global_shape, ctx.mesh_shape)
     if not plan:
         return w_local.astype(compute_dtype)
-    wire = ctx.weight_gather_dtype
-    if wire == "fp8" and not matmul:
-        wire = "bf16"
+    wire = max(ctx.weight_gather_dtype, min_wire, key=WIRE_PRECISION.index)
     return _gather(w_local, plan, wire, ctx.grad_reduce_dtype, jnp.dtype(compute_dtype).name)
 
 

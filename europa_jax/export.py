@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from europa_jax import checkpoint, hf_layout
 from europa_jax.config import Config, ConfigError, from_dict
-from europa_jax.data import EOS_ID
+from europa_jax.tokenizer import BYTE_EOS_ID
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, "bfloat16"), "fp32": (np.float32, "float32")}
 EXPERT_BLOCK_BYTES = 512 * 2**20  # experts read together per stack (bounds host memory)
@@ -166,7 +166,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         index = {"metadata": {"total_size": total, "europa_jax_step": meta["step"]},
                  "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        eos = EOS_ID if cfg.data.source == "stdlib" else None  # the byte-level corpus's EOS
+        eos = BYTE_EOS_ID if cfg.data.source == "stdlib" else None  # the byte-level corpus's EOS
         config = hf_layout.hf_config(cfg.model, dtype_name, eos)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         commit_output(tmp, out_dir)

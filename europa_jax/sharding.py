@@ -2,7 +2,8 @@
 
 Notation (scaling-book style): `W[D_(data,expert), F]` = D split over both mesh axes.
 - tokens `X[B_(data,expert), S, D]`: every device holds different sequences.
-- dense weights: fully sharded (FSDP) over all devices, gathered per layer by XLA.
+- dense weights: fully sharded (FSDP) over all devices, gathered where a layer uses them
+  (comm.gather_weight).
 - expert weights `We[E_expert, D, F_data]`: experts split over the devices of a node,
   each expert's matrix sharded over nodes.
 
@@ -10,7 +11,8 @@ Sizes decide the dimension: 96 nodes carry a factor 3 that 7168 (the hidden size
 so `resolve_spec` gives each mesh axis to the first dimension of the tensor whose
 logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]` →
 `P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
-over it; `replicated_over` reports that so `count`/planning can show the cost.
+over it (e.g. europa-952b's `w_o[64, 128, 7168]` over `data`); `replicated_over`
+reports that so tests and planning can show the cost.
 
 Axis type: `AxisType.Auto`. The forward/backward pass is one explicit `shard_map`
 (train.py, comm.py), where axis types play no role; what remains outside it — the
@@ -49,12 +51,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),  # experts stay inside a node
     "expert_embed": ("data",),
     "expert_mlp": ("data",),
-    # activations
+    # the batch: every device holds different sequences
     "batch": ("data", "expert"),
     "seq": (),
-    "act_embed": (),
-    "act_vocab": (),
-    "router_bias": (),
 }
 
 # Used only for a mesh axis that no primary rule could place on the tensor. Kimi-K2's

@@ -60,8 +60,7 @@ class Trainer:
         sharded = jax.shard_map(
             body, mesh=self.mesh, in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}),
             out_specs=(P(), P()), check_vma=False)
-        entry = comm.param_entry_dtype(self.spmd)
-        return sharded(jax.tree.map(lambda p: p.astype(entry), params), router_bias_LE, batch)
+        return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch)
 
 
 def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
@@ -203,11 +202,12 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     cfg, tx = trainer.cfg, trainer.tx
     grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
     # Offloaded leaves arrive in host memory; out_shardings send the new ones back there.
-    params = offload.to_device(state.params, trainer.state_shardings.params)
-    opt_state = offload.to_device(state.opt_state, trainer.state_shardings.opt_state)
-    (loss, stats), grads = grad_fn(params, state.router_bias_LE, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    state = state.replace(params=offload.to_device(state.params, trainer.state_shardings.params),
+                          opt_state=offload.to_device(state.opt_state,
+                                                      trainer.state_shardings.opt_state))
+    (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
     counts_LE = stats["expert_counts_E"]
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)

@@ -28,3 +28,22 @@ def tiny_cfg():
     data = dataclasses.replace(cfg.data, seq_len=64, global_batch_size=8, max_documents=40)
     train = dataclasses.replace(cfg.train, steps=10)
     return dataclasses.replace(cfg, model=model, data=data, train=train)
+
+
+def train_for(cfg, steps):
+    """Train `steps` steps from seed 0 on the config's mesh: (final state, losses)."""
+    import jax
+
+    from europa_jax import loop, sharding, train
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = train.build_trainer(cfg, mesh)
+    state = train.init_state(trainer, seed=0)
+    step = train.jit_train_step(trainer)
+    losses = []
+    with jax.set_mesh(mesh):
+        for _, (_, batch) in zip(range(steps), loop.device_batches(
+                trainer, loop.host_batch_iterator(cfg))):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return state, losses

@@ -227,9 +227,9 @@ def on_mesh(tiny_cfg, mesh_cfg, devices=None):
 
 def loss_on(trainer, state, batch):
     batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
-    with jax.set_mesh(trainer.mesh), sharding.activation_sharding(trainer.mesh):
-        return float(jax.jit(lambda s, b: train.loss_and_stats(
-            trainer.model, s.params, s.router_bias_LE, b)[0])(state, batch))
+    with jax.set_mesh(trainer.mesh):
+        return float(jax.jit(lambda s, b: trainer.loss(s.params, s.router_bias_LE, b)[0])(
+            state, batch))
 
 
 def test_restore_onto_other_meshes_and_device_counts_is_exact(small, tmp_path):
@@ -334,7 +334,7 @@ def test_a_nonfinite_step_leaves_the_state_unchanged_but_counts(small):
     poisoned = state.params["embedding"].at[token].set(jnp.nan)
     state = state.replace(params={**state.params, "embedding": poisoned})
     before = jax.device_get(state)
-    with jax.set_mesh(trainer.mesh), sharding.activation_sharding(trainer.mesh):
+    with jax.set_mesh(trainer.mesh):
         after, metrics = train.jit_train_step(trainer)(state, batch)
     assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["loss"]))
     assert int(after.step) == int(before.step) + 1

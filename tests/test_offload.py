@@ -7,32 +7,19 @@ import jax
 import numpy as np
 import pytest
 
-from europa_jax import loop, offload, sharding, train
+from europa_jax import offload, sharding, train
+from conftest import train_for
 
 
 def with_offload(cfg, **kw):
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **kw))
 
 
-def run(cfg, steps):
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = train.build_trainer(cfg, mesh)
-    state = train.init_state(trainer, seed=0)
-    step = train.jit_train_step(trainer)
-    losses = []
-    with jax.set_mesh(mesh):
-        for _, (_, batch) in zip(range(steps), loop.device_batches(
-                trainer, loop.host_batch_iterator(cfg))):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-    return state, losses
-
-
 @pytest.mark.slow
 def test_offloaded_state_lives_on_host_and_training_is_bitwise_equal(tiny_cfg):
-    base_state, base_losses = run(tiny_cfg, 20)
+    base_state, base_losses = train_for(tiny_cfg, 20)
     cfg = with_offload(tiny_cfg, optimizer_state=True, master_params=True)
-    state, losses = run(cfg, 20)
+    state, losses = train_for(cfg, 20)
     assert losses == base_losses
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base_state.params)):
         np.testing.assert_array_equal(np.asarray(jax.device_put(a, a.sharding.with_memory_kind(

@@ -12,7 +12,7 @@ import pytest
 
 from europa_jax import loop, sharding, train
 from europa_jax.config import MeshConfig
-from conftest import REPO, config_path
+from conftest import REPO, config_path, train_for
 
 
 def fixed_batch(cfg):
@@ -51,29 +51,15 @@ def test_same_loss_and_gradients_on_every_mesh_layout(single_device_reference, d
         np.testing.assert_allclose(g, reference[path], rtol=2e-3, atol=2e-6, err_msg=str(path))
 
 
-def losses_over(cfg, steps):
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = train.build_trainer(cfg, mesh)
-    state = train.init_state(trainer, seed=0)
-    step = train.jit_train_step(trainer)
-    losses = []
-    with jax.set_mesh(mesh):
-        for _, batch in zip(range(steps), loop.device_batches(trainer,
-                                                                loop.host_batch_iterator(cfg))):
-            state, metrics = step(state, batch[1])
-            losses.append(float(metrics["loss"]))
-    return np.array(losses)
-
-
 @pytest.mark.slow
 def test_fp8_gathers_track_fp32_over_50_steps(tiny_cfg):
     """Stated tolerance: the fp8/bf16 loss curve stays within 2 % of the fp32 one."""
     cfg = dataclasses.replace(tiny_cfg, train=dataclasses.replace(tiny_cfg.train, steps=50))
-    fp32 = losses_over(cfg, 50)
+    fp32 = np.array(train_for(cfg, 50)[1])
     low = dataclasses.replace(cfg, comm=dataclasses.replace(
         cfg.comm, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
         expert_exchange_dtype="bf16"))
-    fp8 = losses_over(low, 50)
+    fp8 = np.array(train_for(low, 50)[1])
     gap = np.abs(fp8 - fp32) / fp32
     print(f"fp8 vs fp32 loss over 50 steps: max rel gap {gap.max():.4f}, "
           f"final {fp32[-1]:.4f} vs {fp8[-1]:.4f}")

@@ -19,7 +19,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           cfg: ModelConfig, *, init: str = "normal", dtype=None, matmul: bool = True) -> jax.Array:
+           cfg: ModelConfig, *, init: str = "normal", dtype=None,
+           min_wire: str = "fp8") -> jax.Array:
     """A parameter with logical axis names, returned ready to compute with.
 
     The stored parameter (fp32 master, sharded by sharding.py's rules) is gathered to
@@ -33,7 +34,8 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     boxed_init = nn.with_logical_partitioning(initializer, axes)
     # Under SPMD the module sees its shard; Flax checks the stored shape against this.
     w = module.param(name, boxed_init, comm.local_shape(axes, shape), DTYPES[cfg.param_dtype])
-    return comm.gather_weight(w, axes, shape, dtype or DTYPES[cfg.compute_dtype], matmul=matmul)
+    return comm.gather_weight(w, axes, shape, dtype or DTYPES[cfg.compute_dtype],
+                              min_wire=min_wire)
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +47,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         scale_D = weight(self, "scale", (self.dim,), ("norm",), self.cfg, init="ones",
-                         dtype=jnp.float32, matmul=False)
+                         dtype=jnp.float32, min_wire="fp32")
         x32_BSD = x_BSD.astype(jnp.float32)
         var_BS1 = jnp.mean(jnp.square(x32_BSD), axis=-1, keepdims=True)
         y_BSD = x32_BSD * jax.lax.rsqrt(var_BS1 + self.cfg.rms_norm_eps)

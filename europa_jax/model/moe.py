@@ -202,7 +202,7 @@ class MoE(nn.Module):
         expert_axes = ("experts", "expert_embed", "expert_mlp")
         # Router in float32: near-tied sigmoid scores decide discrete choices.
         w_router_DE = weight(self, "w_router", (d, e), ("embed", "router"), cfg,
-                             dtype=jnp.float32)
+                             dtype=jnp.float32, min_wire="fp32")
         w_gate_EDF = weight(self, "w_gate", (e, d, f), expert_axes, cfg, dtype=dt)
         w_up_EDF = weight(self, "w_up", (e, d, f), expert_axes, cfg, dtype=dt)
         w_down_EFD = weight(self, "w_down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),

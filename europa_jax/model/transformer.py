@@ -62,7 +62,7 @@ class Transformer(nn.Module):
         """Returns float32 logits [B, S, V] and per-MoE-layer stats stacked over L."""
         cfg = self.cfg
         v, d = cfg.padded_vocab_size, cfg.d_model
-        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, matmul=False)
+        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, min_wire="bf16")
         x_BSD = embedding_VD[tokens_BS]
         cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
 
@@ -72,8 +72,7 @@ class Transformer(nn.Module):
                                    is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
 
         x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
-        # The head is gathered in bf16/fp32, never fp8: logits are precision-sensitive.
-        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, matmul=False)
+        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, min_wire="bf16")
         logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV, preferred_element_type=jnp.float32)
         if v > cfg.vocab_size:  # padding rows exist only to divide the mesh: never predicted
             logits_BSV = jnp.where(jnp.arange(v) < cfg.vocab_size, logits_BSV, -1e30)
