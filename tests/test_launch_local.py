@@ -76,6 +76,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
 
 
+def test_a_mesh_the_processes_cannot_share_is_one_line_per_rank(tmp_path):
+    proc = launch(tmp_path, 2, "--set", "mesh.data=3", "--set", "mesh.expert=1",
+                  "--set", "data.global_batch_size=24", stand_in=False)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    for i in range(2):
+        log = (tmp_path / "logs" / f"rank-{i}.log").read_text()
+        assert log == ("europa-jax: error: mesh: data×expert = 3×1 = 3 devices cannot be split "
+                       "evenly over the job's 2 processes (EUROPA_JAX_NUM_PROCESSES=2)\n")
+
+
 @pytest.mark.slow
 def test_two_cpu_processes_train_one_model(tmp_path):
     run_dir = tmp_path / "run"
