@@ -46,7 +46,7 @@ NODE_NAME_BYTES = 256
 
 
 class StartError(RuntimeError):
-    """The distributed runtime refused to start (e.g. the coordinator's port is taken)."""
+    """jax.distributed refused to start (e.g. it found no coordinator address)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,12 @@ def detect(env: Mapping[str, str] = os.environ) -> Launch:
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         n = _int_env(env, "SLURM_NTASKS")
         local_id = _int_env(env, "SLURM_LOCALID", minimum=0)
-        tasks_here = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1"))[
-            _int_env(env, "SLURM_NODEID", 0, minimum=0)]
+        counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1"))
+        node_id = _int_env(env, "SLURM_NODEID", 0, minimum=0)
+        if node_id >= len(counts):
+            raise ConfigError(f"SLURM_NODEID: {node_id} but SLURM_STEP_TASKS_PER_NODE lists "
+                              f"{len(counts)} nodes")
+        tasks_here = counts[node_id]
         ids = gpu_ids(local_id, tasks_here, visible_gpu_count(env))
         return Launch("slurm", n, _int_env(env, "SLURM_PROCID", minimum=0), node_name(env),
                       local_device_ids=ids, **timeouts)
@@ -175,7 +179,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                 else None,
                 initialization_timeout=launch.init_timeout_s,
                 heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
-        except Exception as e:  # an unusable address, a coordinator port in use, ...
+        except Exception as e:  # no coordinator address found, an unusable one, ...
             raise StartError(
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None

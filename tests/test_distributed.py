@@ -46,6 +46,11 @@ def test_tasks_per_node_expands_slurm_counts():
         distributed.tasks_per_node("4x3")
 
 
+def test_a_node_id_past_the_step_nodes_is_an_error():
+    with pytest.raises(ConfigError, match="SLURM_NODEID: 2 but SLURM_STEP_TASKS_PER_NODE lists 2"):
+        distributed.detect({**SLURM_TASK, "SLURM_NODEID": "2"})
+
+
 def test_uneven_gpu_share_is_an_error():
     with pytest.raises(ConfigError, match="3 tasks on a node cannot share its 4 GPUs"):
         distributed.gpu_ids(0, 3, 4)
