@@ -1,4 +1,4 @@
-"""`europa-jax train|prepare|export|import|count`: the command line.
+"""`europa-jax train|prepare|export|import|count|plan`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from europa_jax import exit_codes
@@ -45,6 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     count.add_argument("config")
     count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    plan = sub.add_parser("plan", help="per-device memory, FLOPs, communication and GH200 "
+                          "step estimate, from the step compiled for N fake CPU devices")
+    plan.add_argument("config")
+    plan.add_argument("--devices", type=int, required=True,
+                      help="must equal mesh.data × mesh.expert")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    plan.add_argument("--probe-moe-layers", metavar="A,B",
+                      help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
+                      "config's depth")
+
     prepare = sub.add_parser("prepare", help="tokenize text/JSONL files into a training corpus")
     source = prepare.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", nargs="+", action="extend", metavar="PATH",
@@ -79,10 +91,36 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _use_cpu_devices(n: int) -> None:
+def _plan(args: argparse.Namespace, cfg) -> int:
+    from pathlib import Path
+
+    if args.devices != cfg.mesh.n_devices:
+        raise ConfigError(f"--devices {args.devices} does not match mesh data×expert = "
+                          f"{cfg.mesh.data}×{cfg.mesh.expert} = {cfg.mesh.n_devices}")
+    probes = None
+    if args.probe_moe_layers:
+        try:
+            probes = tuple(int(x) for x in args.probe_moe_layers.split(","))
+        except ValueError:
+            probes = ()
+        if len(probes) != 2 or min(probes) < 1 or probes[0] == probes[1]:
+            raise ConfigError(f"--probe-moe-layers {args.probe_moe_layers!r}: expected two "
+                              "different positive layer counts, e.g. 4,6")
+    from europa_jax import plan, plan_format  # imports jax; its backends start later
+
+    os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
+    _use_cpu_devices(args.devices, platform="cpu")  # a plan never touches a GPU
+    report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes)
+    print(json.dumps(report, indent=2) if args.json else plan_format.format_report(report))
+    return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
+
+
+def _use_cpu_devices(n: int, platform: str | None = None) -> None:
     """Give the CPU backend `n` devices (harmless on GPU hosts, where it is not used)."""
     import jax
 
+    if platform:
+        jax.config.update("jax_platforms", platform)
     jax.config.update("jax_num_cpu_devices", n)
 
 
@@ -100,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)))
             return exit_codes.OK
+        if args.command == "plan":
+            return _plan(args, cfg)
         if args.command == "count":
             _use_cpu_devices(1)
             from europa_jax.train import abstract_variables

@@ -1,10 +1,13 @@
-"""Every collective of a lowered step: op, mesh axes, dtype, bytes per device per step.
+"""What a step's HLO says: every collective (op, mesh axes, dtype, bytes per device per
+step), matmul FLOPs, and the largest buffers.
 
 We read the HLO *before* XLA's optimizations (`lowered.compiler_ir("hlo")`): that is the
 program as written — XLA:CPU later upcasts fp8/bf16 collectives, which would hide what a
-GPU run sends. Collectives inside `while` loops (the scan over layers, lax.map) are
-counted once per iteration; trip counts come from the loop condition `i < N` that jax
-emits for scans. Replica groups are mapped back to the mesh axes that generate them.
+GPU run sends. The optimized text (`compiled.as_text()`) parses too; it is where the
+collectives the SPMD partitioner adds outside `shard_map` appear. Work inside `while`
+loops (the scan over layers, lax.map) is counted once per iteration; trip counts come
+from XLA's `known_trip_count` or the loop condition `i < N` that jax emits for scans.
+Replica groups are mapped back to the mesh axes that generate them.
 
 Bytes per device use the usual ring-algorithm volumes: all-gather moves its result
 × (n−1)/n, reduce-scatter its operand × (n−1)/n, all-reduce 2 × (n−1)/n, all-to-all
@@ -17,7 +20,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import re
+from typing import Callable
 
 import numpy as np
 from jax.sharding import Mesh
@@ -50,26 +55,66 @@ def _shape_bytes(text: str) -> tuple[str, int]:
     return dtype, total
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    comps, name = {}, None
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """Instruction lines of every computation, and the entry computation's name."""
+    hlo = hlo.replace("%", "")  # optimized HLO prefixes every name with %
+    comps, name, entry = {}, None, ""
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY\s+)?([\w.\-]+)\s.*\{\s*$", line)
         if header and not line.startswith(" "):
             name = header.group(1)
             comps[name] = []
             if line.startswith("ENTRY"):
-                comps["__entry__"] = comps[name]
+                entry = name
         elif name and line.strip() != "}":
             comps[name].append(line)
-    return comps
+    return comps, entry
 
 
-def _trip_count(cond_lines: list[str]) -> int:
+def _trip_count(while_line: str, cond_lines: list[str]) -> int:
+    # Optimized HLO states it; lowered HLO has jax's scan condition `i < N`.
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', while_line)
+    if known:
+        return int(known.group(1))
     constants = [int(c) for line in cond_lines
                  for c in re.findall(r"s32\[\] constant\((\d+)\)", line)]
     if any("direction=LT" in line for line in cond_lines) and constants:
         return max(constants)
     return 1  # unknown loop shape: count once (reported as a lower bound)
+
+
+def execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation.
+
+    Loop bodies are multiplied by their trip counts; every branch of a conditional is
+    counted as if it ran (an upper bound: `lax.cond` runs one).
+    """
+    counts: dict[str, int] = collections.Counter()
+
+    def visit(name: str, times: int, depth: int = 0):
+        if depth > 64 or name not in comps:
+            return
+        counts[name] += times
+        for line in comps[name]:
+            loop = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", line)
+            if loop:
+                visit(loop.group(2), times * _trip_count(line, comps.get(loop.group(1), [])),
+                      depth + 1)
+                continue
+            for callee in re.findall(r"(?:to_apply|calls)=([\w.\-]+)", line):
+                if " call(" in line or "custom-call(" in line or " fusion(" in line:
+                    visit(callee, times, depth + 1)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                for callee in branches.group(1).split(","):
+                    visit(callee.strip(), times, depth + 1)
+            for key in ("true_computation", "false_computation"):
+                callee = re.search(rf"{key}=([\w.\-]+)", line)
+                if callee:
+                    visit(callee.group(1), times, depth + 1)
+
+    visit(entry, 1)
+    return counts
 
 
 def _groups(line: str) -> list[list[int]]:
@@ -85,6 +130,14 @@ def _groups(line: str) -> list[list[int]]:
         if match.group(5):
             ids = ids.transpose([int(p) for p in match.group(5).split(",")])
         return ids.reshape(g, n).tolist()
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if match:  # optimized HLO's named form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
+        axes = re.findall(r"'(\w+)'=(\d+)", match.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", match.group(2))]
+        ids = np.moveaxis(np.arange(math.prod(sizes)).reshape(sizes), grouped,
+                          range(-len(grouped), 0))
+        return ids.reshape(-1, math.prod(sizes[a] for a in grouped)).tolist()
     return []
 
 
@@ -104,40 +157,18 @@ def axes_of_groups(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
     return ()
 
 
-def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
-    """Every collective reachable from the entry computation, with per-step multiplicity."""
-    comps = _computations(hlo)
-    counts: dict[str, int] = collections.Counter()
+def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None
+                ) -> list[Collective]:
+    """Every collective reachable from the entry computation, with per-step multiplicity.
 
-    def visit(name: str, times: int, depth: int = 0):
-        if depth > 64 or name not in comps:
-            return
-        counts[name] += times
-        for line in comps[name]:
-            loop = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", line)
-            if loop:
-                visit(loop.group(2), times * _trip_count(comps.get(loop.group(1), [])), depth + 1)
-                continue
-            for callee in re.findall(r"(?:to_apply|calls)=([\w.\-]+)", line):
-                if " call(" in line or "custom-call(" in line or " fusion(" in line:
-                    visit(callee, times, depth + 1)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:  # lax.cond: at most one branch runs; count each as possible
-                for callee in branches.group(1).split(","):
-                    visit(callee.strip(), times, depth + 1)
-            for key in ("true_computation", "false_computation"):
-                callee = re.search(rf"{key}=([\w.\-]+)", line)
-                if callee:
-                    visit(callee.group(1), times, depth + 1)
-
-    visit("__entry__", 1)
+    `keep(line)` selects instructions by their HLO text (e.g. their op_name metadata).
+    """
+    comps, entry = _computations(hlo)
     found = []
-    for name, times in counts.items():
-        if name == "__entry__":
-            continue
+    for name, times in execution_counts(comps, entry).items():
         for line in comps[name]:
             match = _INSTR.match(line)
-            if not match or match.group(2) not in COLLECTIVES:
+            if not match or match.group(2) not in COLLECTIVES or (keep and not keep(line)):
                 continue
             op, result = match.group(2), match.group(1)
             groups = _groups(line)
@@ -155,6 +186,52 @@ def collectives(hlo: str, mesh: Mesh) -> list[Collective]:
             found.append(Collective(op, axes_of_groups(groups, mesh) if groups else (),
                                     dtype, moved * times, times))
     return found
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?([\w.\-]+)\s*=\s*([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def dot_flops(hlo: str, keep: Callable[[str], bool] | None = None) -> float:
+    """2·(result elements)·(contracted size) summed over every `dot`, × executions per step.
+
+    Every branch of a conditional counts (execution_counts), so a program that skips
+    work with `lax.cond` (causal key blocks, unused expert blocks) is over-counted.
+    """
+    comps, entry = _computations(hlo)
+    total = 0.0
+    for name, times in execution_counts(comps, entry).items():
+        shapes = {m.group(1): _dims(m.group(3)) for m in map(_DEFINITION.match, comps[name]) if m}
+        for line in comps[name]:
+            match = _INSTR.match(line)
+            if not match or match.group(2) != "dot" or (keep and not keep(line)):
+                continue
+            lhs = re.search(r"\bdot\(([\w.\-]+)", line).group(1)
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+            k = math.prod(shapes[lhs][d] for d in _dims(contracting.group(1))) if contracting else 1
+            result = _SHAPE.search(match.group(1))
+            total += 2.0 * math.prod(_dims(result.group(2))) * k * times
+    return total
+
+
+def largest_buffers(hlo: str, n: int = 5) -> list[dict]:
+    """The `n` largest distinct arrays an HLO program defines, with the jax op that made them."""
+    seen: dict[tuple, dict] = {}
+    for line in hlo.replace("%", "").splitlines():
+        match = _DEFINITION.match(line)
+        if not match or match.group(2) not in DTYPE_BYTES:
+            continue
+        dims = _dims(match.group(3))
+        source = re.search(r'op_name="([^"]*)"', line)
+        key = (match.group(2), tuple(dims))
+        if key not in seen or (source and not seen[key]["source"]):
+            seen[key] = {"dtype": match.group(2), "shape": dims,
+                         "bytes": DTYPE_BYTES[match.group(2)] * math.prod(dims),
+                         "source": source.group(1) if source else ""}
+    return sorted(seen.values(), key=lambda b: -b["bytes"])[:n]
 
 
 def summarize(found: list[Collective]) -> list[dict]:

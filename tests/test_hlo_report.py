@@ -35,6 +35,11 @@ def test_report_counts_loop_iterations_axes_dtypes_and_bytes():
     rs = rows[("reduce-scatter", "data+expert", "bf16")]
     assert rs["count"] == 1 and rs["bytes_per_device"] == 1 * 16 * 2 * 7  # result × (n−1)
     assert rows[("all-reduce", "data+expert", "f32")]["count"] == 1
+    # the optimized program (known_trip_count, named replica groups) reads the same
+    optimized = {(r["op"], r["axes"]): r for r in hlo_report.summarize(
+        hlo_report.collectives(f.lower(jnp.ones((3, 16, 16)), jnp.ones((64, 16))).compile()
+                               .as_text(), mesh))}
+    assert optimized[("all-to-all", "expert")]["bytes_per_device"] == a2a["bytes_per_device"]
 
 
 def test_axes_of_groups_recognises_each_mesh_axis():
@@ -43,3 +48,40 @@ def test_axes_of_groups_recognises_each_mesh_axis():
     assert hlo_report.axes_of_groups([[0, 4], [1, 5], [2, 6], [3, 7]], mesh) == ("data",)
     assert hlo_report.axes_of_groups([list(range(8))], mesh) == ("data", "expert")
     assert hlo_report.axes_of_groups([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) == ()
+
+
+def test_dot_flops_apply_trip_counts_in_lowered_and_optimized_hlo():
+    def loss(w_LDD, x_TD):
+        def layer(x, w_DD):
+            return jnp.tanh(x @ w_DD), None
+        return jax.lax.scan(layer, x_TD, w_LDD)[0].sum()
+
+    lowered = jax.jit(jax.grad(loss)).lower(jnp.ones((3, 256, 256)), jnp.ones((64, 256)))
+    # forward x·w, backward dx and dw: three 64×256×256 matmuls per layer, 3 layers
+    expected = 3 * 3 * 2 * 64 * 256 * 256
+    assert hlo_report.dot_flops(lowered.compiler_ir("hlo").as_hlo_text()) == expected
+    assert hlo_report.dot_flops(lowered.compile().as_text()) == expected
+
+
+def test_partitioner_collectives_show_in_optimized_hlo_and_can_be_selected():
+    """GSPMD's own collectives exist only after partitioning; `keep` tells them apart."""
+    mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+
+    def step(w_DF, x_TD):
+        inner = jax.shard_map(lambda x: jax.lax.psum(x, "expert"), mesh=mesh,
+                              in_specs=P("data"), out_specs=P("data"))
+        return inner(x_TD) @ w_DF  # w sharded on its contracted dim: GSPMD adds a reduction
+
+    w = jax.ShapeDtypeStruct((16, 8), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, P(("data", "expert"))))
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step).lower(w, x).compile()
+    text = compiled.as_text()
+    explicit = hlo_report.collectives(text, mesh, keep=lambda line: "shard_map" in line)
+    added = hlo_report.collectives(text, mesh, keep=lambda line: "shard_map" not in line)
+    assert [(c.op, c.axes) for c in explicit] == [("all-reduce", ("expert",))]
+    assert [(c.op, c.axes) for c in added] == [("all-gather", ("data", "expert"))]
+    biggest = hlo_report.largest_buffers(text, n=1)[0]
+    assert biggest["bytes"] == max(b["bytes"] for b in hlo_report.largest_buffers(text, n=50))

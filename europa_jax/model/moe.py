@@ -83,7 +83,8 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
             return jax.lax.cond(n < used_blocks, lambda: rows_YI @ w_EIO[block_expert_N[n]],
                                 lambda: jnp.zeros((y, w_EIO.shape[-1]), rows_YI.dtype))
 
-        out_NYO = jax.lax.map(block, (jnp.arange(n_blocks), rows_NYI))
+        # checkpoint: backward re-indexes w_EIO instead of saving each block's [I, O] slice
+        out_NYO = jax.lax.map(jax.checkpoint(block), (jnp.arange(n_blocks), rows_NYI))
         return out_NYO.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
 
     hidden_MF = nn.silu(blocked(x_MD, w_gate_EDF)) * blocked(x_MD, w_up_EDF)

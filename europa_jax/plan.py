@@ -1,0 +1,389 @@
+"""`europa-jax plan`: what one training step costs per device, before an allocation is spent.
+
+The real step (`train.build_trainer` → `jit_train_step(...).lower(...)`) is compiled for a
+fake mesh of XLA:CPU devices with the config's device count and read four ways:
+- state bytes per memory kind, from the train state's shardings: exact, these are the
+  shards every GPU holds (`pinned_host` leaves live in Grace memory);
+- `compiled.memory_analysis()`: arguments, outputs and XLA's temporaries (activations,
+  gradients, workspaces) of the *XLA:CPU* program — of the whole step, and of its two
+  phases compiled alone (forward+backward; the optimizer update), so that the report
+  says which one does not fit. The GPU program differs: XLA:CPU
+  widens bf16 buffers to f32, runs the blocked expert matmul instead of ragged_dot, and
+  ignores memory kinds — so host-resident state and offloaded activations (read from
+  the step's jaxpr) are taken out of its device numbers here;
+- FLOPs: analytic (flops.py) × the recompute the activation policy adds (measured from
+  the HLO's matmuls with and without remat), plus the optimizer's matmuls as the SPMD
+  partitioner laid them out;
+- collectives: every one of the lowered step with its wire dtype (hlo_report), plus the
+  ones the SPMD partitioner adds outside the shard_map (the optimizer update).
+
+Depth: layers are scanned, so a full-depth compile costs about what a 3-layer one does
+(europa-952b on 384 devices: ~50 s, 1.3 GB of RAM) and is the default. With unrolled
+layers, or when asked (`probe_moe_layers`), two shallower stacks are compiled and every
+compiled number is extrapolated linearly per MoE layer; the report says which was done.
+A step's temporaries peak in one phase, and which phase can change with depth (on
+europa-952b, forward+backward up to 4 MoE layers, the update from 6 on), so an extrapolated
+step needs at least the larger of its extrapolated phases. Nothing else about the config
+is ever reduced.
+
+Step time (hardware.py) — compute and the three links work concurrently, so
+    step ≈ max(compute + optimizer update, NVLink, InfiniBand, NVLink-C2C)   (overlapped)
+and their sum is the pessimistic bound (serial). compute = executed FLOPs / (peak ·
+efficiency); each link = its bytes / (bandwidth · efficiency). Collectives over `expert`
+alone ride NVLink; any that touch `data` are charged in full to InfiniBand; offloaded
+state and activations cross NVLink-C2C once each way per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any
+
+import jax
+import optax
+
+from europa_jax import flops, hardware, hlo_report, sharding, train
+from europa_jax.config import Config
+
+# Shallow stacks can sit off the line: on europa-952b forward+backward temporaries at 3
+# MoE layers were 6 % above the line through 2, 4, 6, 12 and 59; 4 and 6 predict 59 within
+# 0.1 %. (With scanned layers compile time does not grow with depth.)
+PROBE_MOE_LAYERS = (4, 6)
+TOP_BUFFERS = 8
+# The plan never runs what it compiles: skipping LLVM's optimizations halves XLA:CPU's
+# compile time and leaves buffer assignment (memory_analysis) unchanged (measured).
+COMPILE_ONLY_FLAGS = ("--xla_backend_optimization_level=0",
+                      "--xla_llvm_disable_expensive_passes=true")
+
+
+def compile_only_xla_flags(xla_flags: str) -> str:
+    """XLA_FLAGS for a planning process: no forced device count (jax_num_cpu_devices
+    sets it), fast compiles. Must be in the environment before jax's backends start."""
+    kept = [f for f in xla_flags.split() if not f.startswith(
+        "--xla_force_host_platform_device_count")]
+    return " ".join(kept + [f for f in COMPILE_ONLY_FLAGS if f not in kept])
+
+
+def _outside_shard_map(line: str) -> bool:
+    return "shard_map" not in line
+
+
+def _per_device_bytes(leaf) -> int:
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _kind(leaf) -> str:
+    return getattr(leaf.sharding, "memory_kind", None) or "device"
+
+
+def state_bytes(state: train.TrainState) -> dict[str, dict[str, int]]:
+    """Per-device bytes of each part of an abstract train state, by memory kind."""
+    parts = {"params": state.params, "optimizer_state": state.opt_state,
+             "other_state": (state.step, state.router_bias_LE)}
+    out = {}
+    for name, tree in parts.items():
+        kinds: dict[str, int] = {}
+        for leaf in jax.tree.leaves(tree):
+            kinds[_kind(leaf)] = kinds.get(_kind(leaf), 0) + _per_device_bytes(leaf)
+        out[name] = kinds
+    return out
+
+
+def replicated_params(state: train.TrainState, mesh) -> list[dict]:
+    """Parameters copied over a mesh axis (no dimension divides it), largest first.
+
+    Their optimizer state is copied the same way; the rules cannot shard them further.
+    """
+    mesh_shape = sharding.mesh_shape_of(mesh)
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        axes = sharding.replicated_over(leaf.sharding.spec, mesh_shape)
+        if axes:
+            name = str(getattr(path[-1], "key", path[-1]))
+            row = found.setdefault((name, axes), {"name": name, "over": "+".join(axes),
+                                                  "bytes": 0})
+            row["bytes"] += _per_device_bytes(leaf)
+    return sorted(found.values(), key=lambda r: -r["bytes"])
+
+
+def _on_device(tree):
+    """The same abstract arrays in device memory (the loss is computed on device values)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
+
+
+def _lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
+    """Forward + backward alone (no optimizer): per-device shapes, all in the shard_map."""
+    def loss(params, router_bias_LE, batch):
+        return trainer.loss(params, router_bias_LE, batch)[0]
+
+    return jax.jit(jax.grad(loss)).lower(_on_device(state.params), state.router_bias_LE, batch)
+
+
+def _lower_update(trainer: train.Trainer, state: train.TrainState):
+    """The optimizer update alone, on device values: gradients shaped like the parameters."""
+    def update(grads, opt_state, params):
+        updates, opt_state = trainer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = _on_device(state.params)
+    return jax.jit(update, donate_argnums=(1, 2)).lower(params, _on_device(state.opt_state),
+                                                         params)
+
+
+def _hlo(lowered) -> str:
+    return lowered.compiler_ir("hlo").as_hlo_text()
+
+
+def _host_values_bytes(jaxpr) -> int:
+    """Bytes of host-memory values a (per-device) jaxpr produces and keeps.
+
+    Loops count by their stacked outputs (not per iteration); calls and remat regions
+    are entered, since what they return is what their insides made.
+    """
+    total = 0
+    for eqn in jaxpr.eqns:
+        subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
+                if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
+        if subs and eqn.primitive.name not in ("scan", "while"):
+            total += sum(_host_values_bytes(s) for s in subs)
+            continue
+        for v in eqn.outvars:
+            if str(getattr(v.aval, "memory_space", "")).endswith("Host"):
+                total += math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    return total
+
+
+def offloaded_activation_bytes(jaxpr) -> int:
+    """Per-device bytes of saved activations the remat policy sends to host memory.
+
+    XLA:CPU drops the memory-space moves of remat offload, so they are read from the
+    step's jaxpr: host-typed values made inside the loss's shard_map (per-device shapes).
+    """
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            total += _host_values_bytes(eqn.params["jaxpr"])
+            continue
+        for p in eqn.params.values():
+            inner = p.jaxpr if hasattr(p, "jaxpr") else p
+            if hasattr(inner, "eqns"):
+                total += offloaded_activation_bytes(inner)
+    return total
+
+
+def _collective_numbers(rows: list[dict], prefix: str) -> dict[str, float]:
+    numbers = {}
+    for r in rows:
+        key = f"{prefix}/{r['op']}/{r['axes']}/{r['dtype']}"
+        numbers[key + "/bytes"] = r["bytes_per_device"]
+        numbers[key + "/count"] = r["count"]
+    return numbers
+
+
+def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]:
+    """Compile the step of `cfg` on `mesh`: every number the plan extrapolates, flat.
+
+    Returns (numbers, the largest buffers of the compiled step and of forward+backward).
+    """
+    trainer = train.build_trainer(cfg, mesh)
+    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    no_remat = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat="none"),
+        offload=dataclasses.replace(cfg.offload, activations="none"))
+    plain = train.build_trainer(no_remat, mesh)
+    with jax.set_mesh(mesh):
+        traced = train.jit_train_step(trainer).trace(state, batch)
+        lowered = traced.lower()
+        loss_lowered = _lower_loss(trainer, state, batch)
+        plain_flops = hlo_report.dot_flops(_hlo(_lower_loss(plain, train.abstract_state(plain),
+                                                            batch)))
+        compiled = lowered.compile()
+        loss_compiled = loss_lowered.compile()
+        update_memory = _lower_update(trainer, state).compile().memory_analysis()
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    numbers = {}
+    for prefix, mem in (("memory", compiled.memory_analysis()),
+                        ("memory_fb", loss_compiled.memory_analysis()),
+                        ("memory_update", update_memory)):
+        numbers.update({f"{prefix}/{f}": float(getattr(mem, f"{f}_size_in_bytes"))
+                        for f in ("argument", "output", "alias", "temp", "generated_code")})
+    numbers.update({
+        "flops/hlo_loss": hlo_report.dot_flops(_hlo(loss_lowered)),
+        "flops/hlo_loss_no_remat": plain_flops,
+        "flops/optimizer": hlo_report.dot_flops(text, keep=_outside_shard_map),
+        "flops/xla_cost_analysis": float((cost or {}).get("flops", 0.0)),
+        "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
+    })
+    numbers.update(_collective_numbers(
+        hlo_report.summarize(hlo_report.collectives(_hlo(lowered), mesh)), "collective/step"))
+    numbers.update(_collective_numbers(hlo_report.summarize(hlo_report.collectives(
+        text, mesh, keep=_outside_shard_map)), "collective/partitioner"))
+    largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS),
+               "forward_backward": hlo_report.largest_buffers(loss_compiled.as_text(),
+                                                              TOP_BUFFERS)}
+    return numbers, largest
+
+
+def with_moe_layers(cfg: Config, n_moe: int) -> Config:
+    model = dataclasses.replace(cfg.model, n_layers=cfg.model.n_dense_layers + n_moe)
+    return dataclasses.replace(cfg, model=model)
+
+
+def extrapolate(at_a: dict[str, float], at_b: dict[str, float], a: int, b: int,
+                target: int) -> dict[str, float]:
+    """Each number on the line through (a, at_a) and (b, at_b), read at `target`."""
+    out = {}
+    for key in at_a.keys() | at_b.keys():
+        va, vb = at_a.get(key, 0.0), at_b.get(key, 0.0)
+        out[key] = max(0.0, vb + (vb - va) / (b - a) * (target - b))
+    return out
+
+
+def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int] | None = None,
+         machine: hardware.Hardware = hardware.GH200_JUPITER) -> dict[str, Any]:
+    """The plan report (a JSON-able dict) for `cfg` on as many CPU devices as its mesh."""
+    n_moe = cfg.model.n_moe_layers
+    if probe_moe_layers is None and not cfg.model.scan_layers and n_moe > max(PROBE_MOE_LAYERS):
+        probe_moe_layers = PROBE_MOE_LAYERS  # unrolled: compile time grows with depth
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = train.build_trainer(cfg, mesh)  # shapes only: cheap at full depth
+    state = train.abstract_state(trainer)
+    compiled = {"moe_layers": n_moe, "mode": "full depth", "error": None}
+    start = time.perf_counter()
+    try:
+        if probe_moe_layers:
+            a, b = sorted(probe_moe_layers)
+            at_a, _ = measure(with_moe_layers(cfg, a), mesh)
+            at_b, largest = measure(with_moe_layers(cfg, b), mesh)
+            numbers = extrapolate(at_a, at_b, a, b, n_moe)
+            compiled.update(mode=f"extrapolated per MoE layer from {a} and {b} MoE layers",
+                            probe_moe_layers=[a, b])
+        else:
+            numbers, largest = measure(cfg, mesh)
+    except Exception as e:  # a compile that cannot finish is a result the user must see
+        numbers, largest = {}, {"step": [], "forward_backward": []}
+        compiled["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    compiled["seconds"] = time.perf_counter() - start
+    return report(cfg, name, state, replicated_params(state, mesh), numbers, largest, compiled,
+                  machine)
+
+
+def _rows(numbers: dict[str, float], prefix: str, machine, expert: int) -> list[dict]:
+    rows = {}
+    for key, value in numbers.items():
+        if key.startswith(prefix + "/"):
+            op, axes, dtype, field = key[len(prefix) + 1:].split("/")
+            rows.setdefault((op, axes, dtype), {"op": op, "axes": axes, "dtype": dtype})[
+                "bytes_per_device" if field == "bytes" else "count"] = value
+    out = []
+    for row in rows.values():
+        row["count"] = int(round(row.get("count", 0)))
+        row["link"] = "nvlink" if row["axes"] == "expert" else "infiniband"
+        bandwidth = (machine.nvlink_bandwidth(expert - 1) if row["link"] == "nvlink"
+                     else machine.network_bandwidth)
+        row["seconds"] = row.get("bytes_per_device", 0.0) / (bandwidth * machine.link_efficiency)
+        out.append(row)
+    return sorted(out, key=lambda r: -r.get("bytes_per_device", 0.0))
+
+
+def _estimate(executed_flops: float, model_flops: float, rows: list[dict], c2c_bytes: float,
+              update_bytes: float, tokens_per_device: float, machine) -> dict[str, float]:
+    """Step time and throughput under the model in the module docstring."""
+    seconds = {"compute_s": executed_flops / (machine.bf16_flops * machine.compute_efficiency),
+               # the update reads state and gradients and writes state: HBM-bound
+               "update_s": update_bytes / (machine.hbm_bandwidth * machine.link_efficiency),
+               "nvlink_s": sum(r["seconds"] for r in rows if r["link"] == "nvlink"),
+               "infiniband_s": sum(r["seconds"] for r in rows if r["link"] == "infiniband"),
+               "c2c_s": c2c_bytes / (machine.c2c_bandwidth * machine.link_efficiency)}
+    overlapped = max(seconds["compute_s"] + seconds["update_s"], seconds["nvlink_s"],
+                     seconds["infiniband_s"], seconds["c2c_s"])
+    serial = sum(seconds.values())
+    return {**seconds, "step_overlapped_s": overlapped, "step_serial_s": serial,
+            "tokens_per_s_per_gpu_overlapped": tokens_per_device / overlapped,
+            "tokens_per_s_per_gpu_serial": tokens_per_device / serial,
+            "mfu_overlapped": model_flops / overlapped / machine.bf16_flops}
+
+
+def _xla(numbers: dict[str, float], prefix: str) -> dict[str, float]:
+    return {k.split("/")[1]: v for k, v in numbers.items() if k.startswith(prefix + "/")}
+
+
+def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[str, float],
+           largest: dict[str, list[dict]], compiled: dict,
+           machine: hardware.Hardware) -> dict[str, Any]:
+    n_dev = cfg.mesh.n_devices
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    held = state_bytes(state)
+    host_state = sum(k.get("pinned_host", 0) for k in held.values())
+    all_state = sum(sum(k.values()) for k in held.values())
+    grads = sum(held["params"].values())  # gradients have the parameters' shapes and dtypes
+    act_host = numbers.get("host/activations", 0.0)
+    host_total = host_state + act_host
+    # XLA:CPU counts host-kind arguments and offloaded saves as its own memory: take them out.
+    step, fb, upd = (_xla(numbers, p) for p in ("memory", "memory_fb", "memory_update"))
+    step_device = fb_device = update_device = None
+    if step:
+        step_device = (step["argument"] - host_state + max(0.0, step["output"] - step["alias"])
+                       + step["temp"] - act_host + step["generated_code"])
+        # forward+backward as its own program: all parameters on device for the pass, the
+        # gradients it returns, and the optimizer state that stays on device meanwhile
+        fb_device = (fb["argument"] + fb["output"] + fb["temp"] - act_host + fb["generated_code"]
+                     + held["optimizer_state"].get("device", 0)
+                     + held["other_state"].get("device", 0))
+        # the update alone: parameters, gradients and optimizer state all on device
+        update_device = (upd["argument"] + upd["output"] - upd["alias"] + upd["temp"]
+                         + upd["generated_code"])
+        if compiled.get("probe_moe_layers"):
+            # Temporaries are a peak over the program's phases, and the phase at the peak
+            # can change with depth: a step needs at least what each of its phases needs.
+            step_device = max(step_device, fb_device, update_device)
+
+    # Analytic FLOPs assume one document per row: full causal attention (the worst case,
+    # and the common one at 65,536 tokens per row, see benchmarks/data_balance.py).
+    pairs = cfg.data.global_batch_size * cfg.data.seq_len * (cfg.data.seq_len + 1) // 2
+    model_flops = flops.train_flops(cfg.model, tokens, pairs) / n_dev
+    recompute = (numbers["flops/hlo_loss"] / numbers["flops/hlo_loss_no_remat"]
+                 if numbers.get("flops/hlo_loss_no_remat") else 1.0)
+    optimizer_flops = numbers.get("flops/optimizer", 0.0)
+    executed = model_flops * recompute + optimizer_flops
+    step_rows = _rows(numbers, "collective/step", machine, cfg.mesh.expert)
+    partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg.mesh.expert)
+    estimate = functools.partial(_estimate, model_flops=model_flops, c2c_bytes=host_total,
+                                 update_bytes=2 * all_state + grads,
+                                 tokens_per_device=tokens / n_dev, machine=machine)
+    return {
+        "config": name, "devices": n_dev,
+        "mesh": {"data": cfg.mesh.data, "expert": cfg.mesh.expert},
+        "tokens_per_device": tokens / n_dev, "seq_len": cfg.data.seq_len,
+        "layers": cfg.model.n_layers, "compiled": compiled, "machine": dataclasses.asdict(machine),
+        "memory": {
+            "state": held, "replicated_params": replicated, "gradients": grads,
+            "activations_offloaded": act_host, "host_total": host_total,
+            "fits_host": host_total <= machine.host_bytes,
+            "step": {"xla_cpu": step, "device_total": step_device,
+                     "fits_device": step_device is not None and step_device <= machine.hbm_bytes,
+                     "largest_buffers": largest["step"]},
+            "forward_backward": {"xla_cpu": fb, "device_total": fb_device,
+                                 "fits_device": fb_device is not None
+                                 and fb_device <= machine.hbm_bytes,
+                                 "largest_buffers": largest["forward_backward"]},
+            "update": {"xla_cpu": upd, "device_total": update_device,
+                       "fits_device": update_device is not None
+                       and update_device <= machine.hbm_bytes},
+        },
+        "flops": {"model": model_flops, "recompute_factor": recompute,
+                  "optimizer": optimizer_flops, "executed": executed,
+                  "hlo_matmul_loss": numbers.get("flops/hlo_loss"),
+                  "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
+        "collectives": {"step": step_rows, "partitioner": partitioner_rows},
+        "estimate": {
+            "as_compiled": estimate(executed, rows=step_rows + partitioner_rows),
+            # what the same step would take if the optimizer update stayed on each shard
+            "update_kept_local": estimate(model_flops * recompute, rows=step_rows),
+        },
+    }

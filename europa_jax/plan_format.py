@@ -1,0 +1,132 @@
+"""The plan report (plan.py) as text for a terminal: memory, FLOPs, traffic, estimate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def size(x: float | None) -> str:
+    """Bytes in decimal units (the budgets are 96 GB and 30 GB, i.e. 10^9 bytes)."""
+    if x is None:
+        return "n/a"
+    return f"{x / 1e9:,.2f} GB" if abs(x) >= 1e8 or x == 0 else f"{x / 1e6:,.2f} MB"
+
+
+def _fits(ok: bool) -> str:
+    return "fits" if ok else "DOES NOT FIT"
+
+
+def _memory(r: dict[str, Any]) -> list[str]:
+    m, hw = r["memory"], r["machine"]
+    probed = r["compiled"].get("probe_moe_layers")
+    held = m["state"]
+    row = lambda label, dev="", host="": f"  {label:<50}{dev:>14}{host:>14}"
+    lines = [f"{'memory per device':<52}{'device':>14}{'host':>14}"]
+    for label, key in (("parameters (master copy)", "params"),
+                       ("optimizer state", "optimizer_state"), ("other state", "other_state")):
+        lines.append(row(label, size(held[key].get("device", 0)),
+                         size(held[key].get("pinned_host", 0))))
+    for rep in [p for p in m["replicated_params"] if p["bytes"] >= 1e6][:3]:
+        lines.append(row(f"  of which {rep['name']} copied over '{rep['over']}'",
+                         size(rep["bytes"])))
+    lines.append(row("saved activations offloaded", "", size(m["activations_offloaded"])))
+    for label, key in (("whole step: state + XLA:CPU program", "step"),
+                       ("forward+backward alone: its program + state", "forward_backward"),
+                       ("optimizer update alone: its program", "update")):
+        part = m[key]
+        if part["xla_cpu"]:
+            offloaded = m["activations_offloaded"] if key != "update" else 0.0
+            lines.append(row(label, size(part["device_total"])))
+            if not (key == "step" and probed):  # there: the largest of its phases
+                lines.append(row("  of which XLA temporaries",
+                                 size(part["xla_cpu"]["temp"] - offloaded)))
+            lines.append(row("", _fits(part["fits_device"])))
+    lines.append(row("host total", "", size(m["host_total"])))
+    lines.append(row("budget per GPU", size(hw["hbm_bytes"]), size(hw["host_bytes"])))
+    lines.append(row("", "", _fits(m["fits_host"])))
+    for key, label in (("step", "the step"), ("forward_backward", "forward+backward")):
+        if m[key]["largest_buffers"]:
+            depth = f" at {probed[1]} MoE layers" if probed else ""
+            lines += [f"largest buffers of {label}{depth} (XLA:CPU program: some bf16 widened "
+                      "to f32):"]
+            for b in m[key]["largest_buffers"]:
+                shape = f"{b['dtype']}[{','.join(map(str, b['shape']))}]"
+                lines.append(f"  {size(b['bytes']):>12}  {shape:<26} …{b['source'][-70:]}")
+    return lines
+
+
+def _flop(x: float) -> str:
+    return f"{x / 1e12:>12,.1f} TFLOP" if x >= 1e11 else f"{x / 1e9:>12,.3f} GFLOP"
+
+
+def _flops(f: dict[str, Any]) -> list[str]:
+    pf = _flop
+    lines = ["FLOPs per device per step",
+             f"  {'model: 6·N per token + causal attention (one document per row)':<66}"
+             f"{pf(f['model'])}",
+             f"  {'× recompute (HLO matmuls, this activation policy ÷ no remat)':<66}"
+             f"{f['recompute_factor']:>12.3f}",
+             f"  {'+ optimizer matmuls as partitioned (compiled program)':<66}"
+             f"{pf(f['optimizer'])}",
+             f"  {'= executed':<66}{pf(f['executed'])}"]
+    if f["xla_cost_analysis"] is not None:
+        lines.append(f"  {'(XLA:CPU cost_analysis counts each loop body once: not a total)':<66}"
+                     f"{pf(f['xla_cost_analysis'])}")
+    return lines
+
+
+def _collectives(rows: list[dict], title: str) -> list[str]:
+    lines = [title, f"  {'op':<18} {'axes':<12} {'dtype':<9} {'count':>7} {'GB':>12} "
+             f"{'link':<10} {'seconds':>8}"]
+    for row in rows:
+        lines.append(f"  {row['op']:<18} {row['axes']:<12} {row['dtype']:<9} {row['count']:>7} "
+                     f"{row.get('bytes_per_device', 0) / 1e9:>12,.3f} {row['link']:<10} "
+                     f"{row['seconds']:>8.3f}")
+    return lines
+
+
+def _s(x: float) -> str:
+    return f"{x:,.2f} s" if x >= 0.1 else f"{x * 1e3:,.2f} ms"
+
+
+def _estimate(e: dict[str, float], label: str) -> list[str]:
+    return [f"  {label}:",
+            f"    compute {_s(e['compute_s'])} + update {_s(e['update_s'])} | NVLink "
+            f"{_s(e['nvlink_s'])} | InfiniBand {_s(e['infiniband_s'])} | C2C {_s(e['c2c_s'])}",
+            f"    step {_s(e['step_overlapped_s'])} overlapped → "
+            f"{e['tokens_per_s_per_gpu_overlapped']:,.0f} tokens/s/GPU (MFU "
+            f"{e['mfu_overlapped']:.1%}); {_s(e['step_serial_s'])} serial → "
+            f"{e['tokens_per_s_per_gpu_serial']:,.0f} tokens/s/GPU"]
+
+
+def format_report(r: dict[str, Any]) -> str:
+    c, hw = r["compiled"], r["machine"]
+    rows = r["tokens_per_device"] / r["seq_len"]
+    lines = [f"plan: {r['config']} on {r['devices']} devices (data {r['mesh']['data']} × expert "
+             f"{r['mesh']['expert']}), {r['tokens_per_device']:,.0f} tokens per device per step "
+             f"({rows:g} × {r['seq_len']:,})",
+             f"compiled on XLA:CPU: {c['mode']}, {r['layers']} layers ({c['moe_layers']} MoE), "
+             f"{c['seconds']:.0f} s"]
+    if c["error"]:
+        lines.append(f"COMPILE FAILED: {c['error']} — state bytes below are exact, nothing "
+                     "else could be measured")
+    lines += [""] + _memory(r)
+    if c["error"]:
+        return "\n".join(lines)
+    lines += [""] + _flops(r["flops"])
+    lines += [""] + _collectives(r["collectives"]["step"],
+                                 "collectives per device per step, the step as written "
+                                 "(lowered HLO, wire dtypes)")
+    lines += [""] + _collectives(r["collectives"]["partitioner"],
+                                 "collectives the SPMD partitioner adds outside the shard_map "
+                                 "(compiled XLA:CPU program)")
+    lines += ["", f"estimate on {hw['name']} (hardware.py): compute at "
+              f"{hw['compute_efficiency']:.0%} of {hw['bf16_flops'] / 1e12:.0f} TFLOP/s; links at "
+              f"{hw['link_efficiency']:.0%} of NVLink {hw['nvlink_pair_bandwidth'] / 1e9:.0f} GB/s "
+              f"per peer, InfiniBand {hw['network_bandwidth'] / 1e9:.0f} GB/s, C2C "
+              f"{hw['c2c_bandwidth'] / 1e9:.0f} GB/s"]
+    lines += _estimate(r["estimate"]["as_compiled"], "as compiled")
+    lines += _estimate(r["estimate"]["update_kept_local"],
+                       "if the optimizer update stayed on each shard (no partitioner traffic "
+                       "or optimizer matmuls)")
+    return "\n".join(lines)

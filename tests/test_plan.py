@@ -1,0 +1,171 @@
+"""`europa-jax plan`: exact state bytes, agreement with a real run, depth extrapolation,
+offload accounting, the roofline arithmetic and its error messages."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from europa_jax import hardware, loop, plan, sharding, train
+from europa_jax.config import load_config
+from conftest import REPO, config_path
+
+# conftest's test-size tiny model as command-line overrides (the plan runs in its own process)
+TEST_SIZE = {"model.d_model": 32, "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
+             "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+             "model.dense_ffn_dim": 64, "model.expert_ffn_dim": 16,
+             "model.attention_block_size": 16, "data.seq_len": 64, "data.global_batch_size": 8}
+
+
+def run_plan(*args, timeout=900):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "europa_jax.cli", "plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def plan_json(config, overrides, *extra):
+    sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    result = run_plan(config_path(config), "--devices", "8", "--json", *sets, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_tiny_plan_agrees_with_the_real_run():
+    """Stated margin: state bytes exact; the step's XLA memory within 1 % (the plan
+    compiles the same program, only without LLVM optimizations)."""
+    report = plan_json("tiny-cpu.yaml", {})
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = train.build_trainer(cfg, mesh)
+    state = train.init_state(trainer, seed=0)
+    live = {name: sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+            for name, tree in (("params", state.params), ("optimizer_state", state.opt_state),
+                               ("other_state", (state.step, state.router_bias_LE)))}
+    assert {k: sum(v.values()) for k, v in report["memory"]["state"].items()} == live
+
+    batch = {k: jax.device_put(v, trainer.batch_sharding)
+             for k, v in next(loop.host_batch_iterator(cfg)).items()}
+    with jax.set_mesh(mesh):
+        real = train.jit_train_step(trainer).lower(state, batch).compile().memory_analysis()
+    planned = report["memory"]["step"]["xla_cpu"]
+    print("tiny-cpu plan vs real step, bytes per device:", {
+        f: (planned[f], getattr(real, f"{f}_size_in_bytes"))
+        for f in ("argument", "output", "alias", "temp")}, "state:", live)
+    for field in ("argument", "output", "alias", "temp"):
+        assert planned[field] == pytest.approx(getattr(real, f"{field}_size_in_bytes"), rel=0.01)
+    real_total = (real.argument_size_in_bytes + real.output_size_in_bytes
+                  - real.alias_size_in_bytes + real.temp_size_in_bytes)
+    assert report["memory"]["step"]["device_total"] == pytest.approx(real_total, rel=0.01)
+    assert report["compiled"]["mode"] == "full depth"
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_matches_the_full_compile_within_5_percent():
+    """4 and 6 MoE layers (plan.PROBE_MOE_LAYERS) extrapolated to 10 against compiling
+    all 10, with state and activations offloaded so host bytes are extrapolated too."""
+    overrides = {**TEST_SIZE, "model.n_layers": 11, "offload.optimizer_state": "true",
+                 "offload.activations": "offload_layer_inputs"}
+    full = plan_json("tiny-cpu.yaml", overrides)
+    probed = plan_json("tiny-cpu.yaml", overrides, "--probe-moe-layers", "4,6")
+    assert probed["compiled"]["probe_moe_layers"] == [4, 6]
+    assert full["compiled"]["mode"] == "full depth"
+
+    def numbers(r):
+        m, f = r["memory"], r["flops"]
+        out = {"step_device": m["step"]["device_total"], "step_temp": m["step"]["xla_cpu"]["temp"],
+               "fb_device": m["forward_backward"]["device_total"],
+               "update_device": m["update"]["device_total"],
+               "host_total": m["host_total"], "activations": m["activations_offloaded"],
+               "hlo_matmul": f["hlo_matmul_loss"], "optimizer_flops": f["optimizer"]}
+        for key in ("step", "partitioner"):
+            out[f"{key}_bytes"] = sum(row["bytes_per_device"] for row in r["collectives"][key])
+        return out
+
+    want, got = numbers(full), numbers(probed)
+    assert want["activations"] > 0 and want["host_total"] > want["activations"]
+    errors = {k: abs(got[k] / want[k] - 1) for k in want}
+    print("extrapolated vs full compile, relative error:", {k: f"{v:.4f}" for k, v in
+                                                             errors.items()})
+    assert max(errors.values()) < 0.05, errors
+
+
+def test_offloaded_activations_are_counted_from_the_step(tiny_cfg):
+    """offload_layer_inputs sends one [B_local, S, D] input per layer to the host."""
+    cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(
+        tiny_cfg.offload, activations="offload_layer_inputs"))
+    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
+    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    with jax.set_mesh(trainer.mesh):
+        jaxpr = train.jit_train_step(trainer).trace(state, batch).jaxpr.jaxpr
+    rows = cfg.data.global_batch_size // cfg.mesh.n_devices
+    per_layer = rows * cfg.data.seq_len * cfg.model.d_model * 4  # float32 compute in tiny
+    assert plan.offloaded_activation_bytes(jaxpr) == cfg.model.n_layers * per_layer
+
+    plain = train.build_trainer(tiny_cfg, trainer.mesh)
+    with jax.set_mesh(plain.mesh):
+        jaxpr = train.jit_train_step(plain).trace(train.abstract_state(plain), batch).jaxpr.jaxpr
+    assert plan.offloaded_activation_bytes(jaxpr) == 0
+
+
+def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
+    cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(tiny_cfg.offload,
+                                                                    optimizer_state=True))
+    mesh = sharding.make_mesh(cfg.mesh)
+    state = train.abstract_state(train.build_trainer(cfg, mesh))
+    held = plan.state_bytes(state)
+    assert held["optimizer_state"]["pinned_host"] > 0
+    assert held["optimizer_state"].get("device", 0) < 64  # only scalars stay on device
+    assert set(held["params"]) == {"device"}
+    # one device's shard of w_up [L, E, D, F] is E/4 × F/2 of it (expert × data)
+    w_up = state.params["moe_layers"]["moe"]["w_up"]
+    assert plan._per_device_bytes(w_up) == math.prod(w_up.shape) * 4 // 8
+    # norm scales are replicated by the rules ('norm' → no mesh axis); each copy is counted
+    copied = {row["name"]: row for row in plan.replicated_params(state, mesh)}
+    assert copied["scale"]["over"] == "data+expert" and copied["scale"]["bytes"] > 0
+    assert "w_up" not in copied
+
+
+def test_extrapolate_reads_each_number_off_its_line():
+    at_2, at_3 = {"temp": 10.0, "flops": 4.0}, {"temp": 13.0, "flops": 4.0, "new": 1.0}
+    assert plan.extrapolate(at_2, at_3, 2, 3, 59) == {"temp": 181.0, "flops": 4.0, "new": 57.0}
+
+
+def test_roofline_overlaps_links_with_compute_and_bounds_by_their_sum():
+    gh = hardware.GH200_JUPITER
+    rows = [{"link": "nvlink", "seconds": 2.0}, {"link": "infiniband", "seconds": 5.0},
+            {"link": "infiniband", "seconds": 1.0}]
+    flops = gh.bf16_flops * gh.compute_efficiency * 4.0  # 4 s of compute
+    e = plan._estimate(flops, flops, rows, c2c_bytes=0.0, update_bytes=0.0,
+                       tokens_per_device=6000.0, machine=gh)
+    assert e["compute_s"] == pytest.approx(4.0)
+    assert e["step_overlapped_s"] == pytest.approx(6.0)  # InfiniBand is the longest
+    assert e["step_serial_s"] == pytest.approx(12.0)
+    assert e["tokens_per_s_per_gpu_overlapped"] == pytest.approx(1000.0)
+    assert gh.nvlink_bandwidth(3) == 3 * gh.nvlink_pair_bandwidth  # all peers of a quad
+    assert gh.nvlink_bandwidth(7) == 3 * gh.nvlink_pair_bandwidth
+
+
+def test_compile_only_flags_replace_a_forced_device_count():
+    flags = plan.compile_only_xla_flags("--xla_force_host_platform_device_count=8 --xla_foo=1")
+    assert "device_count" not in flags and "--xla_foo=1" in flags
+    assert "--xla_backend_optimization_level=0" in flags
+
+
+def test_devices_that_do_not_match_the_mesh_are_a_one_line_error():
+    result = run_plan(config_path("europa-952b.yaml"), "--devices", "8", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "--devices 8 does not match mesh data×expert = 96×4 = 384" in result.stderr
+
+
+def test_bad_probe_depths_are_a_one_line_error():
+    result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--probe-moe-layers", "3",
+                      timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "--probe-moe-layers '3'" in result.stderr
