@@ -44,7 +44,8 @@ unset europa_xla_flags
 if [ -z "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ]; then
   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.92}
 fi
-# Host offload (offload.*): XLA's pinned host memory pool per GPU, 64 GB unless set. Each
-# rank is bound to its own Grace CPU (jupiter.sbatch), whose 120 GB of LPDDR5X also hold
-# the OS, Python and the input pipeline.
+# Host offload (offload.*): the cap on XLA's pinned host memory pool per GPU (XLA's own
+# default is 64 GB; the pool grows as used, so the cap reserves nothing). Each rank is bound
+# to its own Grace CPU (jupiter.sbatch), whose LPDDR5X also holds the OS, Python and the
+# input pipeline; `europa-jax plan` says how much host memory a layout needs.
 export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-96}

@@ -123,6 +123,9 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
     (preempted,) = [e for e in events if e["event"] == "preempted"]
     restored = [e for e in events if e["event"] == "checkpoint_restored"]
     assert restored and restored[-1]["step"] == preempted["step"] < STEPS
+    # Written by both processes together: the preemption's step and the final one.
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [preempted["step"], STEPS], saved
     steps = [r["step"] for r in records(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1))  # each step once, across the two tries
 
