@@ -14,6 +14,7 @@ import sys
 from europa_jax import exit_codes
 from europa_jax.config import ConfigError, load_config
 from europa_jax.corpus import DataError
+from europa_jax.distributed import StartError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))
             return exit_codes.OK
-        _use_cpu_devices(cfg.mesh.n_devices)
+        from europa_jax import distributed
+
+        distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
         return run_training(cfg, args.run_dir)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    except StartError as e:  # the distributed runtime refused to start: not the user's input
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return exit_codes.CRASH
 
 
 def _export(args) -> int:

@@ -16,7 +16,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax import checkpoint, data, flops, sharding
+from europa_jax import checkpoint, data, distributed, flops
 from europa_jax.config import CheckpointConfig, Config, check_device_count, to_dict
 from europa_jax.preemption import Preempted, StopRequests
 from europa_jax.train import Trainer, build_trainer, init_state, jit_train_step
@@ -53,7 +53,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     if is_primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
     events = EventLog(run_dir, is_primary)
     ckpt = checkpoint.Checkpointer(cfg, run_dir, trainer)
