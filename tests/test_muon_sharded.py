@@ -114,6 +114,10 @@ def test_stacked_experts_move_by_all_to_all_not_by_gathering_the_stack():
     a2a = [c for c in found if c.op == "all-to-all"]
     assert [c.axes for c in a2a] == [("data",), ("data",)]
     assert sum(c.bytes_per_device for c in a2a) == shard_bytes
+    # each device orthogonalizes 3 of the 24 matrices (64×32): per Newton–Schulz step
+    # X·Xᵀ and B·X (2·32²·64 each) and A·A (2·32³)
+    assert hlo_report.dot_flops(spread.as_text()) == 3 * cfg.muon_ns_steps * (
+        4 * 32**2 * 64 + 2 * 32**3)
     # (c) temporaries: a few shards, not the stack (optax's layout holds the whole stack)
     temp = spread.memory_analysis().temp_size_in_bytes
     assert temp <= 4 * shard_bytes
