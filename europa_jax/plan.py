@@ -24,7 +24,10 @@ compiled number is extrapolated linearly per MoE layer; the report says which wa
 A step's temporaries peak in one phase, and which phase can change with depth (on
 europa-952b, forward+backward up to 4 MoE layers, the update from 6 on), so an extrapolated
 step needs at least the larger of its extrapolated phases. Nothing else about the config
-is ever reduced.
+is ever reduced. The optimizer update is linear in depth only approximately: Muon pads
+each stacked leaf's matrices to a multiple of the devices (muon_sharded.py), a step
+function of the layer count, so probes can misplace the update's FLOPs, traffic and
+temporaries (by 5–15 % on the test-size model, 4,6 → 10); full depth is exact.
 
 Step time (hardware.py) — compute and the three links work concurrently, so
     step ≈ max(compute + optimizer update, NVLink, InfiniBand, NVLink-C2C)   (overlapped)
