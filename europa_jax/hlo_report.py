@@ -130,15 +130,30 @@ def _groups(line: str) -> list[list[int]]:
         if match.group(5):
             ids = ids.transpose([int(p) for p in match.group(5).split(",")])
         return ids.reshape(g, n).tolist()
-    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if match:  # optimized HLO's named form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:,\s*device_ids=\(([^)]*\)?)\)\s*)?"
+                      r"\{([^}]*)\}", line)
+    if match:  # optimized HLO's named form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, where
+        # `device_ids=([2,4]T(1,0))` (an iota) or `device_ids=(0,4,…)` orders the devices
         axes = re.findall(r"'(\w+)'=(\d+)", match.group(1))
         names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", match.group(2))]
-        ids = np.moveaxis(np.arange(math.prod(sizes)).reshape(sizes), grouped,
-                          range(-len(grouped), 0))
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", match.group(3))]
+        ids = _device_ids(match.group(2), math.prod(sizes)).reshape(sizes)
+        ids = np.moveaxis(ids, grouped, range(-len(grouped), 0))
         return ids.reshape(-1, math.prod(sizes[a] for a in grouped)).tolist()
     return []
+
+
+def _device_ids(text: str | None, n: int) -> np.ndarray:
+    """Device order of a named replica-group mesh: identity, an iota `[dims]T(perm)`, or a list."""
+    if not text:
+        return np.arange(n)
+    iota = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if iota:
+        ids = np.arange(n).reshape([int(d) for d in iota.group(1).split(",")])
+        if iota.group(2):
+            ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(d) for d in text.split(",") if d.strip()])
 
 
 def axes_of_groups(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:

@@ -15,6 +15,9 @@ the same reason Muon excludes the LM head. It is < 0.05 % of parameters.
 
 With `consistent_rms=0.2` Muon's update RMS matches AdamW's (Moonlight/Kimi), so one
 learning rate and schedule serve both groups.
+
+Given the trainer's mesh, Newton–Schulz runs on whole matrices spread over the devices
+(muon_sharded.py) instead of on stacks GSPMD would gather onto every device.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import Mesh
 from optax.contrib import MuonDimensionNumbers
 
+from europa_jax import muon_sharded
 from europa_jax.config import OptimConfig
 
 # Parameter name → (number of trailing reduction axes, number of trailing output axes).
@@ -85,12 +90,19 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         boundaries=[cfg.warmup_steps, cfg.warmup_steps + stable_steps])
 
 
-def build_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None,
+                    param_specs: Any = None) -> optax.GradientTransformation:
+    """The optimizer; with `mesh` and the parameters' PartitionSpecs, Muon orthogonalizes
+    each matrix whole on one device, the matrices spread over the mesh (muon_sharded.py),
+    instead of letting GSPMD gather every stack. Without a mesh: optax.contrib.muon's math."""
+    if (mesh is None) != (param_specs is None):
+        raise ValueError("build_optimizer: pass both mesh and param_specs, or neither")
     lr = schedule(cfg, total_steps)
-    muon = optax.contrib.muon(
-        learning_rate=lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, muon_weight_dimension_numbers=muon_dimension_numbers,
-        consistent_rms=cfg.muon_consistent_rms)
+    muon = muon_sharded.muon(
+        lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, consistent_rms=cfg.muon_consistent_rms,
+        dims_fn=muon_dimension_numbers, mesh=mesh,
+        specs_fn=None if mesh is None else muon_sharded.specs_by_path(param_specs))
 
     def adamw(weight_decay: float) -> optax.GradientTransformation:
         return optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,

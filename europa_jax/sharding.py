@@ -17,8 +17,8 @@ reports that so tests and planning can show the cost.
 Axis type: `AxisType.Auto`. The forward/backward pass is one explicit `shard_map`
 (train.py, comm.py), where axis types play no role; what remains outside it — the
 optimizer update on sharded parameters, sharded init — is elementwise or left to GSPMD
-(Muon's Newton–Schulz gathers whole matrices), which Explicit axes would force us to
-annotate op by op for no gain.
+(Muon's Newton–Schulz is laid out by sharding constraints, muon_sharded.py), which
+Explicit axes would force us to annotate op by op for no gain.
 """
 
 from __future__ import annotations

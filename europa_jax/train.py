@@ -80,9 +80,10 @@ def abstract_variables(cfg: Config) -> Any:
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload))
-    tx = optim.build_optimizer(cfg.optim, cfg.train.steps)
     boxed = abstract_variables(cfg)
     param_specs = sharding.specs_for(boxed, sharding.mesh_shape_of(mesh))
+    # the optimizer lays Muon's matrices out over this mesh (one whole matrix per device)
+    tx = optim.build_optimizer(cfg.optim, cfg.train.steps, mesh, param_specs)
     abstract_params = nn.unbox(boxed)
     param_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs,
                                    is_leaf=lambda x: isinstance(x, P))

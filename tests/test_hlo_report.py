@@ -85,3 +85,18 @@ def test_partitioner_collectives_show_in_optimized_hlo_and_can_be_selected():
     assert [(c.op, c.axes) for c in added] == [("all-gather", ("data", "expert"))]
     biggest = hlo_report.largest_buffers(text, n=1)[0]
     assert biggest["bytes"] == max(b["bytes"] for b in hlo_report.largest_buffers(text, n=50))
+
+
+def test_named_replica_groups_follow_their_device_order():
+    """GSPMD's all-to-alls name a reshaped mesh with a transposed device order."""
+    mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+    groups = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0))"
+    hlo = "\n".join([
+        "ENTRY main {",
+        "  a = f32[8] parameter(0)",
+        f"  b = f32[8] all-to-all(a), {groups} {{'axis_1'}}, dimensions={{0}}",
+        f"  ROOT c = f32[32] all-gather(b), {groups} {{'axis_0'}}, dimensions={{0}}",
+        "}"])
+    # device order 0,4,1,5,2,6,3,7 as [4, 2]: axis_1 pairs {0,4} (data), axis_0 {0,1,2,3}
+    assert [(c.op, c.axes, c.bytes_per_device) for c in hlo_report.collectives(hlo, mesh)] == [
+        ("all-to-all", ("data",), 8 * 4 / 2), ("all-gather", ("expert",), 32 * 4 * 3 / 4)]

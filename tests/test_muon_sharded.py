@@ -1,0 +1,125 @@
+"""Muon with one whole matrix per device: optax's numbers, all-to-alls instead of gathers."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from europa_jax import hlo_report, optim, sharding, train
+from europa_jax.config import MeshConfig, OptimConfig
+
+
+def optax_reference(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """The optimizer as it was built before the spread layout: optax.contrib.muon itself."""
+    lr = optim.schedule(cfg, total_steps)
+    muon = optax.contrib.muon(
+        learning_rate=lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, muon_weight_dimension_numbers=optim.muon_dimension_numbers,
+        consistent_rms=cfg.muon_consistent_rms)
+    adamw = lambda wd: optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                                   weight_decay=wd)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), optax.partition(
+        {"muon": muon, "adamw": adamw(cfg.weight_decay), "adamw_no_decay": adamw(0.0)},
+        optim.labels))
+
+
+def is_spec(x):
+    return isinstance(x, P)
+
+
+MESH_SHAPES = [(2, 4), (8, 1)]
+
+
+@pytest.fixture(scope="module")
+def trajectory(tiny_cfg):
+    """Random parameters, three gradients, and optax.contrib.muon's updates on one device."""
+    cfg = dataclasses.replace(tiny_cfg.optim, warmup_steps=1)  # a nonzero lr from step 0
+    rng = np.random.default_rng(0)
+    normal = lambda a: rng.standard_normal(a.shape).astype(a.dtype)
+    params = jax.tree.map(normal, nn.unbox(train.abstract_variables(tiny_cfg)))
+    grads = [jax.tree.map(normal, params) for _ in range(3)]
+    reference = optax_reference(cfg, 10)
+    reference_step = jax.jit(_step(reference))
+    p, s = jax.device_put((params, reference.init(params)), jax.devices()[0])
+    updates = []
+    for g in grads:
+        p, s, u = reference_step(p, s, g)
+        updates.append(u)
+    return cfg, params, grads, updates, p
+
+
+def _step(tx):
+    def apply(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+    return apply
+
+
+@pytest.mark.parametrize("data,expert", MESH_SHAPES)
+def test_spread_muon_equals_optax_muon_on_the_model(tiny_cfg, trajectory, data, expert):
+    """Three steps on the test-size model's real parameters (stacked experts, w_o split
+    over both mesh axes, dense stacks padded with zero matrices) against optax unsharded."""
+    cfg, params, grads, reference_updates, reference_params = trajectory
+    mesh = sharding.make_mesh(MeshConfig(data=data, expert=expert))
+    specs = sharding.specs_for(train.abstract_variables(tiny_cfg), sharding.mesh_shape_of(mesh))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    spread = optim.build_optimizer(cfg, 10, mesh, specs)
+    state_shardings = train.shardings_like_params(  # as the trainer lays out its state
+        jax.eval_shape(spread.init, params), params, shardings, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        spread_step = jax.jit(_step(spread), in_shardings=(shardings, state_shardings, shardings),
+                              out_shardings=(shardings, state_shardings, shardings))
+        p = jax.device_put(params, shardings)
+        s = jax.device_put(spread.init(params), state_shardings)
+        for g, u_ref in zip(grads, reference_updates):
+            p, s, u = spread_step(p, s, g)
+            for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(u_ref)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(reference_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert p["moe_layers"]["moe"]["w_up"].sharding.spec == specs["moe_layers"]["moe"]["w_up"]
+
+
+def test_stacked_experts_move_by_all_to_all_not_by_gathering_the_stack():
+    """The update of one stacked expert leaf, compiled alone on the 2×4 mesh."""
+    mesh = sharding.make_mesh(MeshConfig(data=2, expert=4))
+    shape_LEDF = (3, 8, 64, 32)
+    spec = sharding.resolve_spec(("layers", "experts", "expert_embed", "expert_mlp"),
+                                 shape_LEDF, sharding.mesh_shape_of(mesh))
+    assert spec == P(None, "expert", "data", None)  # FSDP on a matrix axis
+    stack_bytes = np.prod(shape_LEDF) * 4
+    shard_bytes = stack_bytes / 8
+    leaf = jax.ShapeDtypeStruct(shape_LEDF, jnp.float32, sharding=NamedSharding(mesh, spec))
+    tree = {"moe": {"w_up": leaf}}
+    cfg = OptimConfig()
+
+    def compiled_update(tx):
+        def update(g, s, p):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        state = jax.eval_shape(tx.init, tree)
+        with jax.set_mesh(mesh):
+            return jax.jit(update, out_shardings=(NamedSharding(mesh, spec), None)).lower(
+                tree, state, tree).compile()
+
+    spread = compiled_update(optim.build_optimizer(cfg, 10, mesh, {"moe": {"w_up": spec}}))
+    found = hlo_report.collectives(spread.as_text(), mesh)
+    # (a) nothing is gathered; (b) one all-to-all over `data` each way, half a shard each
+    assert not [c for c in found if c.op == "all-gather"]
+    a2a = [c for c in found if c.op == "all-to-all"]
+    assert [c.axes for c in a2a] == [("data",), ("data",)]
+    assert sum(c.bytes_per_device for c in a2a) == shard_bytes
+    # each device orthogonalizes 3 of the 24 matrices (64×32): per Newton–Schulz step
+    # X·Xᵀ and B·X (2·32²·64 each) and A·A (2·32³)
+    assert hlo_report.dot_flops(spread.as_text()) == 3 * cfg.muon_ns_steps * (
+        4 * 32**2 * 64 + 2 * 32**3)
+    # (c) temporaries: a few shards, not the stack (optax's layout holds the whole stack)
+    temp = spread.memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * shard_bytes
+    gathered = compiled_update(optax_reference(cfg, 10)).memory_analysis().temp_size_in_bytes
+    assert gathered >= stack_bytes
