@@ -18,16 +18,15 @@ fake mesh of XLA:CPU devices with the config's device count and read four ways:
   ones the SPMD partitioner adds outside the shard_map (the optimizer update).
 
 Depth: layers are scanned, so a full-depth compile costs about what a 3-layer one does
-(europa-952b on 384 devices: ~50 s, 1.3 GB of RAM) and is the default. With unrolled
+(europa-952b on 384 devices: 3–4 min, 4.6 GB of RAM) and is the default. With unrolled
 layers, or when asked (`probe_moe_layers`), two shallower stacks are compiled and every
 compiled number is extrapolated linearly per MoE layer; the report says which was done.
 A step's temporaries peak in one phase, and which phase can change with depth (on
 europa-952b, forward+backward up to 4 MoE layers, the update from 6 on), so an extrapolated
 step needs at least the larger of its extrapolated phases. Nothing else about the config
-is ever reduced. The optimizer update is linear in depth only approximately: Muon pads
-each stacked leaf's matrices to a multiple of the devices (muon_sharded.py), a step
-function of the layer count, so probes can misplace the update's FLOPs, traffic and
-temporaries (by 5–15 % on the test-size model, 4,6 → 10); full depth is exact.
+is ever reduced. The optimizer update is not linear in depth (Muon pads each stacked
+leaf's matrices to a multiple of the devices, muon_sharded.py), so with probes it is
+also compiled alone at full depth: its memory, FLOPs and collectives are exact.
 
 Step time (hardware.py) — compute and the three links work concurrently, so
     step ≈ max(compute + optimizer update, NVLink, InfiniBand, NVLink-C2C)   (overlapped)
@@ -46,16 +45,16 @@ import time
 from typing import Any
 
 import jax
-import optax
 
-from europa_jax import flops, hardware, hlo_report, sharding, train
+from europa_jax import flops, hardware, sharding, train
 from europa_jax.config import Config
+from europa_jax.plan_compile import (extrapolate, measure, measure_update, with_exact_update,
+                                     with_moe_layers)
 
 # Shallow stacks can sit off the line: on europa-952b forward+backward temporaries at 3
 # MoE layers were 6 % above the line through 2, 4, 6, 12 and 59; 4 and 6 predict 59 within
 # 0.1 %. (With scanned layers compile time does not grow with depth.)
 PROBE_MOE_LAYERS = (4, 6)
-TOP_BUFFERS = 8
 # The plan never runs what it compiles: skipping LLVM's optimizations halves XLA:CPU's
 # compile time and leaves buffer assignment (memory_analysis) unchanged (measured).
 COMPILE_ONLY_FLAGS = ("--xla_backend_optimization_level=0",
@@ -68,10 +67,6 @@ def compile_only_xla_flags(xla_flags: str) -> str:
     kept = [f for f in xla_flags.split() if not f.startswith(
         "--xla_force_host_platform_device_count")]
     return " ".join(kept + [f for f in COMPILE_ONLY_FLAGS if f not in kept])
-
-
-def _outside_shard_map(line: str) -> bool:
-    return "shard_map" not in line
 
 
 def _per_device_bytes(leaf) -> int:
@@ -112,144 +107,6 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
     return sorted(found.values(), key=lambda r: -r["bytes"])
 
 
-def _on_device(tree):
-    """The same abstract arrays in device memory (the loss is computed on device values)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
-
-
-def _lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
-    """Forward + backward alone (no optimizer): per-device shapes, all in the shard_map."""
-    def loss(params, router_bias_LE, batch):
-        return trainer.loss(params, router_bias_LE, batch)[0]
-
-    return jax.jit(jax.grad(loss)).lower(_on_device(state.params), state.router_bias_LE, batch)
-
-
-def _lower_update(trainer: train.Trainer, state: train.TrainState):
-    """The optimizer update alone, on device values: gradients shaped like the parameters."""
-    def update(grads, opt_state, params):
-        updates, opt_state = trainer.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    params = _on_device(state.params)
-    return jax.jit(update, donate_argnums=(1, 2)).lower(params, _on_device(state.opt_state),
-                                                         params)
-
-
-def _hlo(lowered) -> str:
-    return lowered.compiler_ir("hlo").as_hlo_text()
-
-
-def _host_values_bytes(jaxpr) -> int:
-    """Bytes of host-memory values a (per-device) jaxpr produces and keeps.
-
-    Loops count by their stacked outputs (not per iteration); calls and remat regions
-    are entered, since what they return is what their insides made.
-    """
-    total = 0
-    for eqn in jaxpr.eqns:
-        subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
-                if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
-        if subs and eqn.primitive.name not in ("scan", "while"):
-            total += sum(_host_values_bytes(s) for s in subs)
-            continue
-        for v in eqn.outvars:
-            if str(getattr(v.aval, "memory_space", "")).endswith("Host"):
-                total += math.prod(v.aval.shape) * v.aval.dtype.itemsize
-    return total
-
-
-def offloaded_activation_bytes(jaxpr) -> int:
-    """Per-device bytes of saved activations the remat policy sends to host memory.
-
-    XLA:CPU drops the memory-space moves of remat offload, so they are read from the
-    step's jaxpr: host-typed values made inside the loss's shard_map (per-device shapes).
-    """
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            total += _host_values_bytes(eqn.params["jaxpr"])
-            continue
-        for p in eqn.params.values():
-            inner = p.jaxpr if hasattr(p, "jaxpr") else p
-            if hasattr(inner, "eqns"):
-                total += offloaded_activation_bytes(inner)
-    return total
-
-
-def _collective_numbers(rows: list[dict], prefix: str) -> dict[str, float]:
-    numbers = {}
-    for r in rows:
-        key = f"{prefix}/{r['op']}/{r['axes']}/{r['dtype']}"
-        numbers[key + "/bytes"] = r["bytes_per_device"]
-        numbers[key + "/count"] = r["count"]
-    return numbers
-
-
-def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]:
-    """Compile the step of `cfg` on `mesh`: every number the plan extrapolates, flat.
-
-    Returns (numbers, the largest buffers of the compiled step and of forward+backward).
-    """
-    trainer = train.build_trainer(cfg, mesh)
-    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
-    no_remat = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, remat="none"),
-        offload=dataclasses.replace(cfg.offload, activations="none"))
-    plain = train.build_trainer(no_remat, mesh)
-    with jax.set_mesh(mesh):
-        traced = train.jit_train_step(trainer).trace(state, batch)
-        lowered = traced.lower()
-        loss_lowered = _lower_loss(trainer, state, batch)
-        plain_flops = hlo_report.dot_flops(_hlo(_lower_loss(plain, train.abstract_state(plain),
-                                                            batch)))
-        compiled = lowered.compile()
-        loss_compiled = loss_lowered.compile()
-        update_compiled = _lower_update(trainer, state).compile()
-    text = compiled.as_text()
-    cost = compiled.cost_analysis()
-    numbers = {}
-    for prefix, mem in (("memory", compiled.memory_analysis()),
-                        ("memory_fb", loss_compiled.memory_analysis()),
-                        ("memory_update", update_compiled.memory_analysis())):
-        numbers.update({f"{prefix}/{f}": float(getattr(mem, f"{f}_size_in_bytes"))
-                        for f in ("argument", "output", "alias", "temp", "generated_code")})
-    numbers.update({
-        "flops/hlo_loss": hlo_report.dot_flops(_hlo(loss_lowered)),
-        "flops/hlo_loss_no_remat": plain_flops,
-        # Counted on the update compiled alone: in the step's optimized text XLA:CPU fuses
-        # the model's attention dots and drops their metadata, so "outside the shard_map"
-        # cannot be read off a dot (on europa-952b that misattributed 53.7 PFLOP).
-        "flops/optimizer": hlo_report.dot_flops(update_compiled.as_text()),
-        "flops/xla_cost_analysis": float((cost or {}).get("flops", 0.0)),
-        "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
-    })
-    numbers.update(_collective_numbers(
-        hlo_report.summarize(hlo_report.collectives(_hlo(lowered), mesh)), "collective/step"))
-    numbers.update(_collective_numbers(hlo_report.summarize(hlo_report.collectives(
-        text, mesh, keep=_outside_shard_map)), "collective/partitioner"))
-    largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS),
-               "forward_backward": hlo_report.largest_buffers(loss_compiled.as_text(),
-                                                              TOP_BUFFERS)}
-    return numbers, largest
-
-
-def with_moe_layers(cfg: Config, n_moe: int) -> Config:
-    model = dataclasses.replace(cfg.model, n_layers=cfg.model.n_dense_layers + n_moe)
-    return dataclasses.replace(cfg, model=model)
-
-
-def extrapolate(at_a: dict[str, float], at_b: dict[str, float], a: int, b: int,
-                target: int) -> dict[str, float]:
-    """Each number on the line through (a, at_a) and (b, at_b), read at `target`."""
-    out = {}
-    for key in at_a.keys() | at_b.keys():
-        va, vb = at_a.get(key, 0.0), at_b.get(key, 0.0)
-        out[key] = max(0.0, vb + (vb - va) / (b - a) * (target - b))
-    return out
-
-
 def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int] | None = None,
          machine: hardware.Hardware = hardware.GH200_JUPITER) -> dict[str, Any]:
     """The plan report (a JSON-able dict) for `cfg` on as many CPU devices as its mesh."""
@@ -266,7 +123,8 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
             a, b = sorted(probe_moe_layers)
             at_a, _ = measure(with_moe_layers(cfg, a), mesh)
             at_b, largest = measure(with_moe_layers(cfg, b), mesh)
-            numbers = extrapolate(at_a, at_b, a, b, n_moe)
+            numbers = with_exact_update(extrapolate(at_a, at_b, a, b, n_moe),
+                                        measure_update(cfg, mesh))
             compiled.update(mode=f"extrapolated per MoE layer from {a} and {b} MoE layers",
                             probe_moe_layers=[a, b])
         else:
