@@ -88,7 +88,7 @@ def cast_for_entry(params, ctx: SpmdContext):
     low = ctx.weight_gather_dtype in ("fp8", "bf16") and ctx.grad_reduce_dtype == "bf16"
 
     def cast(path, p):
-        name = str(getattr(path[-1], "key", path[-1]))
+        name = sharding.param_name(path)
         return p.astype(jnp.bfloat16 if low and name not in FULL_PRECISION_PARAMS else
                         jnp.float32)
 
@@ -104,7 +104,7 @@ def gather_plan(logical_axes: Sequence[str], global_shape: Sequence[int],
     spec = sharding.resolve_spec(logical_axes, global_shape, mesh_shape)
     plan = []
     for dim, (name, entry) in enumerate(zip(logical_axes, spec)):
-        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        axes = sharding.entry_axes(entry)
         kept = KEPT_SHARDED.get(name)
         if kept in axes:
             if axes[0] != kept:  # the kept axis must be major for the gathered blocks to
@@ -121,9 +121,8 @@ def local_shape(logical_axes: Sequence[str], global_shape: Sequence[int]) -> tup
     if ctx is None:
         return tuple(global_shape)
     spec = sharding.resolve_spec(logical_axes, global_shape, ctx.mesh_shape)
-    return tuple(size // math.prod(ctx.mesh_shape[a] for a in (
-        entry if isinstance(entry, tuple) else (entry,) if entry else ()))
-        for size, entry in zip(global_shape, spec))
+    return tuple(size // math.prod(ctx.mesh_shape[a] for a in sharding.entry_axes(entry))
+                 for size, entry in zip(global_shape, spec))
 
 
 def gather_weight(w_local: jax.Array, logical_axes: Sequence[str], global_shape: Sequence[int],

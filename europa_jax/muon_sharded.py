@@ -37,13 +37,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib import _muon  # orthogonalize_via_newton_schulz, scale_by_shape
 
+from europa_jax.sharding import entry_axes
+
 SpecsFn = Callable[[Any], Any]  # updates tree → PartitionSpec per Muon leaf
-
-
-def _mesh_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _spec_entry(axes: tuple[str, ...]):
@@ -60,12 +56,12 @@ def orthogonalize_spread(x: jax.Array, dims: MuonDimensionNumbers, spec: P, mesh
     matrix_axes = reduce_axes + out_axes
     entries = tuple(spec) + (None,) * (x.ndim - len(spec))
     batch = [a for a in range(x.ndim) if a not in matrix_axes]
-    sharded_batch = [a for a in batch if _mesh_axes(entries[a])]
+    sharded_batch = [a for a in batch if entry_axes(entries[a])]
     order = sharded_batch + [a for a in batch if a not in sharded_batch] + list(matrix_axes)
-    batch_mesh = sum((_mesh_axes(entries[a]) for a in sharded_batch), ())
-    moved = [a for a in matrix_axes if _mesh_axes(entries[a])]  # sharded matrix dims
+    batch_mesh = sum((entry_axes(entries[a]) for a in sharded_batch), ())
+    moved = [a for a in matrix_axes if entry_axes(entries[a])]  # sharded matrix dims
     s = math.prod(mesh.shape[a] for a in batch_mesh)
-    r_each = [math.prod(mesh.shape[a] for a in _mesh_axes(entries[d])) for d in moved]
+    r_each = [math.prod(mesh.shape[a] for a in entry_axes(entries[d])) for d in moved]
     n = math.prod(x.shape[a] for a in batch)
     q = -(-n // (s * math.prod(r_each)))  # matrices per device
     mat_shape = tuple(x.shape[a] for a in matrix_axes)
@@ -83,7 +79,7 @@ def orthogonalize_spread(x: jax.Array, dims: MuonDimensionNumbers, spec: P, mesh
                          *[None if d in moved[:j] else entries[d] for d in matrix_axes])
 
     batch_entry = _spec_entry(batch_mesh)
-    spread_entry = _spec_entry(batch_mesh + sum((_mesh_axes(entries[d]) for d in moved), ()))
+    spread_entry = _spec_entry(batch_mesh + sum((entry_axes(entries[d]) for d in moved), ()))
     # [s, n/s, *matrix] in the parameter's layout: sharded batch axes lead, so this is local
     x_T = constrain(x.transpose(order), *[entries[a] for a in order])
     x_SQ = constrain(x_T.reshape((s, n // s) + mat_shape), batch_entry, None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 import jax
-from jax.sharding import NamedSharding
 
 from europa_jax.config import OffloadConfig
 

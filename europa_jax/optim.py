@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh
 from optax.contrib import MuonDimensionNumbers
 
-from europa_jax import muon_sharded
+from europa_jax import muon_sharded, sharding
 from europa_jax.config import OptimConfig
 
 # Parameter name → (number of trailing reduction axes, number of trailing output axes).
@@ -44,14 +44,10 @@ ADAMW_DECAYED = frozenset({"embedding", "lm_head", "w_router"})
 ADAMW_NOT_DECAYED = frozenset({"scale"})
 
 
-def _leaf_name(path) -> str:
-    return str(getattr(path[-1], "key", path[-1]))
-
-
 def labels(params: Any) -> Any:
     """'muon' | 'adamw' | 'adamw_no_decay' per parameter; an unknown name is an error."""
     def label(path, _):
-        name = _leaf_name(path)
+        name = sharding.param_name(path)
         if name in MUON_MATRICES:
             return "muon"
         if name in ADAMW_DECAYED:
@@ -67,9 +63,10 @@ def labels(params: Any) -> Any:
 def muon_dimension_numbers(params: Any) -> Any:
     """Reduction/output axes of each Muon matrix (leading axes are batch axes); None else."""
     def dims(path, leaf):
-        if _leaf_name(path) not in MUON_MATRICES:
+        name = sharding.param_name(path)
+        if name not in MUON_MATRICES:
             return None
-        n_reduce, n_out = MUON_MATRICES[_leaf_name(path)]
+        n_reduce, n_out = MUON_MATRICES[name]
         ndim = len(leaf.shape)
         reduce_axes = tuple(range(ndim - n_reduce - n_out, ndim - n_out))
         return MuonDimensionNumbers(reduction_axis=reduce_axes,

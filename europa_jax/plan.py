@@ -100,7 +100,7 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
         axes = sharding.replicated_over(leaf.sharding.spec, mesh_shape)
         if axes:
-            name = str(getattr(path[-1], "key", path[-1]))
+            name = sharding.param_name(path)
             row = found.setdefault((name, axes), {"name": name, "over": "+".join(axes),
                                                   "bytes": 0})
             row["bytes"] += _per_device_bytes(leaf)

@@ -139,9 +139,16 @@ def resolve_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
     return P(*entries)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None → (), 'data' → ('data',), tuples as is."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def replicated_over(spec: P, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """Mesh axes (of size > 1) that a spec does not use: the tensor is copied over them."""
-    used = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
+    used = {a for entry in spec for a in entry_axes(entry)}
     return tuple(a for a in MESH_AXES if mesh_shape.get(a, 1) > 1 and a not in used)
 
 
@@ -166,3 +173,9 @@ def specs_for(boxed_tree: Any, mesh_shape: dict[str, int]) -> Any:
 
 def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def param_name(path) -> str:
+    """A parameter's own name (the last key of its tree path), e.g. 'w_up' or 'scale':
+    what the optimizer, the entry casts and the plan key their rules on."""
+    return str(getattr(path[-1], "key", path[-1]))
