@@ -31,7 +31,7 @@ import traceback
 from typing import Mapping
 
 from europa_jax import exit_codes
-from europa_jax.config import ConfigError, MeshConfig
+from europa_jax.config import ConfigError, MeshConfig, check_device_count
 
 ENV_COORDINATOR = "EUROPA_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EUROPA_JAX_NUM_PROCESSES"
@@ -184,8 +184,8 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None
         sys.excepthook = _exit_at_once
-    check_devices(mesh, launch, jax.device_count(), jax.local_device_count(),
-                  jax.devices()[0].platform)
+    check_device_count(mesh, jax.device_count(),
+                       devices_source(launch, jax.local_device_count(), jax.devices()[0].platform))
     print(f"europa-jax: process {jax.process_index()} of {jax.process_count()} "
           f"({launch.launcher}) on {launch.node}, pid {os.getpid()}, "
           f"{jax.local_device_count()} local {jax.devices()[0].platform} devices of "
@@ -207,15 +207,10 @@ def _exit_at_once(exc_type, exc, tb) -> None:
     os._exit(exit_codes.CRASH)
 
 
-def check_devices(mesh: MeshConfig, launch: Launch, n_devices: int, n_local: int,
-                  platform: str) -> None:
-    """The mesh must use every device of the job exactly once; say where the count came from."""
-    if mesh.n_devices != n_devices:
-        raise ConfigError(
-            f"mesh: data×expert = {mesh.data}×{mesh.expert} = {mesh.n_devices} but the job has "
-            f"{n_devices} {platform} devices ({launch.num_processes} processes × {n_local} "
-            f"local, {_count_source(launch)}); set mesh.data/mesh.expert to match or change "
-            "the job's size")
+def devices_source(launch: Launch, n_local: int, platform: str) -> str:
+    """Where the job's device count comes from, for config.check_device_count's error."""
+    return (f" ({platform}: {launch.num_processes} processes × {n_local} local, "
+            f"{_count_source(launch)})")
 
 
 def job_mesh(mesh_cfg: MeshConfig):

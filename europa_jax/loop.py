@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from europa_jax import checkpoint, data, distributed, flops
-from europa_jax.config import CheckpointConfig, Config, check_device_count, to_dict
+from europa_jax.config import CheckpointConfig, Config, check_device_count
+from europa_jax.config_loader import to_dict
 from europa_jax.preemption import Preempted, StopRequests
 from europa_jax.train import Trainer, build_trainer, init_state, jit_train_step
 
@@ -46,7 +47,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     Raises `Preempted` after saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite
     step under `checkpoint.nan_policy`.
     """
-    check_device_count(cfg, jax.device_count())
+    check_device_count(cfg.mesh, jax.device_count())
     host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
     run_dir = Path(run_dir or cfg.train.run_dir)
     is_primary = jax.process_index() == 0

@@ -2,7 +2,8 @@
 
 import pytest
 
-from europa_jax.config import ConfigError, check_device_count, load_config
+from europa_jax.config import ConfigError, check_device_count
+from europa_jax.config_loader import load_config
 from conftest import config_path
 
 
@@ -58,9 +59,9 @@ def test_config_errors(tmp_path, overrides, message):
 
 def test_mesh_must_match_device_count():
     cfg = load_config(config_path("tiny-cpu.yaml"))
-    check_device_count(cfg, 8)
+    check_device_count(cfg.mesh, 8)
     with pytest.raises(ConfigError, match=r"mesh: data×expert = 2×4 = 8 but the job has 4"):
-        check_device_count(cfg, 4)
+        check_device_count(cfg.mesh, 4)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

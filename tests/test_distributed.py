@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, config_path
 from europa_jax import distributed
-from europa_jax.config import ConfigError, MeshConfig
+from europa_jax.config import ConfigError, MeshConfig, check_device_count
 
 SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8",
               "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -90,9 +90,11 @@ def test_each_process_gets_its_share_of_cpu_devices():
 
 def test_a_mesh_that_does_not_match_the_job_names_both_sizes():
     launch = distributed.detect(SLURM_TASK)
-    with pytest.raises(ConfigError, match=r"mesh: data×expert = 96×4 = 384 but the job has 8 gpu "
-                                          r"devices \(8 processes × 1 local, SLURM_NTASKS=8\)"):
-        distributed.check_devices(MeshConfig(data=96, expert=4), launch, 8, 1, "gpu")
+    with pytest.raises(ConfigError, match=r"mesh: data×expert = 96×4 = 384 but the job has 8 "
+                                          r"devices \(gpu: 8 processes × 1 local, "
+                                          r"SLURM_NTASKS=8\)"):
+        check_device_count(MeshConfig(data=96, expert=4), 8,
+                           distributed.devices_source(launch, 1, "gpu"))
 
 
 def test_expert_groups_name_nodes_and_processes():
