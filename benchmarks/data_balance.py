@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
-    from europa_jax.config import load_config
+    from europa_jax.config_loader import load_config
     from europa_jax.corpus import TokenCorpus
 
     model_cfg = load_config(Path(__file__).parent.parent / "configs/europa-952b.yaml").model

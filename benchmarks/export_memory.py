@@ -44,7 +44,7 @@ def save_initial_state(config: str, overrides: list[str], run_dir: Path) -> int:
     import jax
 
     from europa_jax import checkpoint, sharding, train
-    from europa_jax.config import load_config
+    from europa_jax.config_loader import load_config
 
     cfg = load_config(config, overrides)
     jax.config.update("jax_num_cpu_devices", cfg.mesh.n_devices)

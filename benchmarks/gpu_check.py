@@ -64,7 +64,7 @@ def section(results: dict, name: str, fn) -> None:
 
 def layer_config(smoke: bool):
     """europa-952b's ModelConfig as one MoE layer on one GPU of an expert-parallel node."""
-    from europa_jax.config import load_config
+    from europa_jax.config_loader import load_config
 
     cfg = load_config(os.path.join(REPO, "configs", "europa-952b.yaml"))
     model = dict(n_routed_experts=LOCAL_EXPERTS, param_dtype="bfloat16")

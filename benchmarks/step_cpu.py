@@ -66,7 +66,7 @@ def main() -> None:
 
     import jax
 
-    from europa_jax.config import load_config
+    from europa_jax.config_loader import load_config
 
     cfg = load_config(args.config)
     jax.config.update("jax_num_cpu_devices", cfg.mesh.n_devices)

@@ -36,7 +36,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
-from europa_jax.config import Config, ModelConfig, to_dict
+from europa_jax.config import Config, ModelConfig
+from europa_jax.config_loader import to_dict
 from europa_jax.train import Trainer, TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"

@@ -12,7 +12,8 @@ import os
 import sys
 
 from europa_jax import exit_codes
-from europa_jax.config import ConfigError, load_config
+from europa_jax.config import ConfigError
+from europa_jax.config_loader import load_config
 from europa_jax.corpus import DataError
 from europa_jax.distributed import StartError
 

@@ -23,7 +23,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from europa_jax import checkpoint, hf_layout
-from europa_jax.config import Config, ConfigError, from_dict
+from europa_jax.config import Config, ConfigError
+from europa_jax.config_loader import from_dict
 from europa_jax.tokenizer import BYTE_EOS_ID
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, "bfloat16"), "fp32": (np.float32, "float32")}

@@ -23,7 +23,8 @@ import numpy as np
 from safetensors import safe_open
 
 from europa_jax import checkpoint, hf_layout, sharding, train
-from europa_jax.config import Config, ConfigError, to_dict
+from europa_jax.config import Config, ConfigError
+from europa_jax.config_loader import to_dict
 from europa_jax.export import commit_output, prepare_output
 
 INDEX = "model.safetensors.index.json"

@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from europa_jax.config import load_config  # noqa: E402
+from europa_jax.config_loader import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -160,7 +160,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id))
 from europa_jax.cli import run_training
-from europa_jax.config import load_config
+from europa_jax.config_loader import load_config
 sys.exit(run_training(load_config(config, overrides), run_dir))
 """
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from europa_jax import data, packing
-from europa_jax.config import ConfigError, Config, DataConfig, from_dict, load_config
+from europa_jax.config import ConfigError, Config, DataConfig
+from europa_jax.config_loader import from_dict, load_config
 from europa_jax.corpus import CorpusWriter, DataError, TokenCorpus
 from conftest import config_path
 

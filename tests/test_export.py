@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,7 +15,8 @@ import transformers
 from safetensors import safe_open
 
 from europa_jax import checkpoint, exit_codes, hf_import, loop
-from europa_jax.config import ConfigError, load_config
+from europa_jax.config import ConfigError
+from europa_jax.config_loader import load_config
 from europa_jax.export import export
 from europa_jax.model.transformer import Transformer
 from conftest import REPO, config_path

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from europa_jax import loop, sharding, train
-from europa_jax.config import ConfigError, load_config
+from europa_jax.config import ConfigError
+from europa_jax.config_loader import load_config
 from europa_jax.model import lm_head
 from conftest import config_path
 

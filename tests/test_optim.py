@@ -8,7 +8,8 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 
 from europa_jax import optim
-from europa_jax.config import OptimConfig, load_config
+from europa_jax.config import OptimConfig
+from europa_jax.config_loader import load_config
 from europa_jax.train import abstract_variables
 from conftest import config_path
 

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from europa_jax import hardware, loop, plan, plan_compile, sharding, train
-from europa_jax.config import load_config
+from europa_jax.config_loader import load_config
 from conftest import REPO, config_path
 
 # conftest's test-size tiny model as command-line overrides (the plan runs in its own process)

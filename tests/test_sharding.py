@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from europa_jax import sharding
-from europa_jax.config import ConfigError, MeshConfig, load_config
+from europa_jax.config import ConfigError, MeshConfig
+from europa_jax.config_loader import load_config
 from europa_jax.train import abstract_variables
 from conftest import config_path
 
