@@ -46,13 +46,14 @@ class SpmdContext:
     """What the collectives need to know while the model is traced inside shard_map."""
 
     mesh_shape: dict[str, int]
+    platform: str = "cpu"  # of the mesh's devices: picks backend-specific kernels
     weight_gather_dtype: str = "fp32"  # fp8 | bf16 | fp32
     grad_reduce_dtype: str = "fp32"  # bf16 | fp32
     expert_exchange: str = "dense"  # dense | ragged
     expert_exchange_dtype: str = "fp32"  # bf16 | fp32: token rows on the MoE all-to-all
 
     def __hash__(self):  # usable as a jit static argument / cache key despite the dict
-        return hash((tuple(self.mesh_shape.items()), self.weight_gather_dtype,
+        return hash((tuple(self.mesh_shape.items()), self.platform, self.weight_gather_dtype,
                      self.grad_reduce_dtype, self.expert_exchange, self.expert_exchange_dtype))
 
 

@@ -78,8 +78,10 @@ class ModelConfig:
     # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
     # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
     loss_chunk_tokens: int = 4096
-    # Expert matmuls: ragged_dot (GPU/TPU kernels) or blocked (exact, fast on XLA:CPU).
-    grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = "auto"
+    # Expert matmuls (moe.grouped_swiglu): auto = blocked on CPU (exact, fast on XLA:CPU),
+    # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
+    grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
+                            "ragged_dot"] = "auto"
     # null = dropless (exchange buffers sized for the worst case). A float bounds rows per
     # peer to ceil(factor · T·K / ep); rows past it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None

@@ -171,6 +171,24 @@ def specs_for(boxed_tree: Any, mesh_shape: dict[str, int]) -> Any:
     return jax.tree.map(spec, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform the mesh's devices compute on: 'cpu', or 'gpu' (also for compile-only
+    GPUs of a topology, gpu_target.py). Backend-specific code paths choose by this, not
+    by jax's default backend, so that a GPU program can be compiled on a CPU machine."""
+    return mesh.devices.flat[0].platform
+
+
+def is_compile_only(mesh: Mesh) -> bool:
+    """True for a mesh of devices this process cannot run on (a GPU topology)."""
+    return mesh.devices.flat[0] not in jax.devices()
+
+
+def placement_mesh(mesh: Mesh) -> Mesh | jax.sharding.AbstractMesh:
+    """The mesh shardings are built on: the abstract mesh for compile-only devices, whose
+    concrete shardings would silently drop memory kinds (`pinned_host`)."""
+    return mesh.abstract_mesh if is_compile_only(mesh) else mesh
+
+
 def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from europa_jax import comm, offload, optim, sharding
 from europa_jax.config import Config, ConfigError
-from europa_jax.model.moe import updated_router_bias
+from europa_jax.model.moe import grouped_matmul_impl, updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
 
 Batch = dict[str, jax.Array]
@@ -85,9 +85,10 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     # the optimizer lays Muon's matrices out over this mesh (one whole matrix per device)
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps, mesh, param_specs)
     abstract_params = nn.unbox(boxed)
-    param_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs,
+    placed_on = sharding.placement_mesh(mesh)
+    param_shardings = jax.tree.map(lambda spec: NamedSharding(placed_on, spec), param_specs,
                                    is_leaf=lambda x: isinstance(x, P))
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(placed_on, P())
     abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = shardings_like_params(abstract_opt_state, abstract_params, param_shardings,
                                           replicated)
@@ -99,19 +100,22 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     batch_spec = sharding.resolve_spec(("batch", "seq"), (cfg.data.global_batch_size,
                                                           cfg.data.seq_len),
                                        sharding.mesh_shape_of(mesh))
-    return Trainer(cfg, mesh, model, tx, state_shardings, NamedSharding(mesh, batch_spec),
+    return Trainer(cfg, mesh, model, tx, state_shardings, NamedSharding(placed_on, batch_spec),
                    abstract_params, param_specs, spmd_context(cfg, mesh))
 
 
 def spmd_context(cfg: Config, mesh: Mesh) -> comm.SpmdContext:
+    """What the model's collectives and kernels need: the mesh's shape and platform (the
+    platform of its devices, which may be GPUs compiled for on a CPU machine)."""
     exchange = cfg.comm.expert_exchange
-    backend = jax.default_backend()
+    platform = sharding.mesh_platform(mesh)
     if exchange == "auto":
-        exchange = "dense" if backend == "cpu" else "ragged"
-    if exchange == "ragged" and backend == "cpu":
+        exchange = "dense" if platform == "cpu" else "ragged"
+    if exchange == "ragged" and platform == "cpu":
         raise ConfigError("comm.expert_exchange: 'ragged' needs ragged_all_to_all, which XLA:CPU "
                           "lacks; use 'dense' or 'auto' on CPU")
-    return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh),
+    grouped_matmul_impl(cfg.model, platform)  # an impl this platform cannot run: fail now
+    return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh), platform=platform,
                             weight_gather_dtype=cfg.comm.weight_gather_dtype,
                             grad_reduce_dtype=cfg.comm.grad_reduce_dtype,
                             expert_exchange=exchange,

@@ -13,6 +13,7 @@ two best biased scores), then its top-k experts inside those groups.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import flax.linen as nn
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax import comm
-from europa_jax.config import ModelConfig
+from europa_jax.config import ConfigError, ModelConfig
 from europa_jax.model.layers import SwiGLU, weight
 
 
@@ -47,17 +48,26 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
                    block_rows: int = 256):
     """SwiGLU per expert on rows sorted by expert; rows past sum(group_sizes) give zeros.
 
-    `ragged_dot`: one grouped matmul per weight (the GPU/TPU kernel). XLA:CPU lowers
-    ragged_dot to a dense masked matmul over *all* experts (E× the FLOPs), so on CPU we
-    use `blocked`: each expert's rows are padded to a multiple of `block_rows`, every block
-    then belongs to one expert and is multiplied by that expert's matrix; blocks past the
-    filled rows are skipped at run time (the expert-parallel receive buffer is sized for
-    the worst case). Exact, dropless, at most E·(block_rows−1) padding rows of extra work.
+    - `tokamax`: tokamax's grouped matmul — on Hopper its Pallas Mosaic GPU kernel (then
+      Triton), each row multiplied by its own expert's matrix only; elsewhere tokamax
+      falls back to XLA. The GPU default. `tokamax_triton`: the Triton kernel only (built
+      entirely ahead of time; Mosaic GPU kernels are built when the program loads).
+    - `ragged_dot`: `jax.lax.ragged_dot`. jaxlib 0.10.2 compiles it, on GPU as on CPU, to
+      a dense masked matmul over *all* experts (E× the FLOPs and an [E, M, ·] buffer).
+    - `blocked` (XLA:CPU): each expert's rows are padded to a multiple of `block_rows`,
+      every block then belongs to one expert and is multiplied by that expert's matrix;
+      blocks past the filled rows are skipped at run time (the expert-parallel receive
+      buffer is sized for the worst case). Exact, at most E·(block_rows−1) padding rows.
     """
-    if impl == "ragged_dot":
-        gate_MF = jax.lax.ragged_dot(x_MD, w_gate_EDF, group_sizes_E)
-        up_MF = jax.lax.ragged_dot(x_MD, w_up_EDF, group_sizes_E)
-        return jax.lax.ragged_dot(nn.silu(gate_MF) * up_MF, w_down_EFD, group_sizes_E)
+    if impl in ("ragged_dot", "tokamax", "tokamax_triton"):
+        matmul = _ragged_matmul(impl, group_sizes_E)
+        hidden_MF = nn.silu(matmul(x_MD, w_gate_EDF)) * matmul(x_MD, w_up_EDF)
+        out_MD = matmul(hidden_MF, w_down_EFD)
+        if impl == "ragged_dot":
+            return out_MD
+        # tokamax's GPU kernels need not write rows past the groups: make them zeros
+        filled_M = jnp.arange(x_MD.shape[0]) < group_sizes_E.sum()
+        return jnp.where(filled_M[:, None], out_MD, 0)
     m, e = x_MD.shape[0], group_sizes_E.shape[0]
     y = max(1, min(block_rows, m))
     n_blocks = -(-(m + e * (y - 1)) // y)  # static bound on blocks after per-expert padding
@@ -91,10 +101,60 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
     return blocked(hidden_MF, w_down_EFD)
 
 
-def grouped_matmul_impl(cfg: ModelConfig) -> str:
-    if cfg.grouped_matmul != "auto":
-        return cfg.grouped_matmul
-    return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+def _ragged_matmul(impl: str, group_sizes_E):
+    if impl == "ragged_dot":
+        return lambda rows_MI, w_EIO: jax.lax.ragged_dot(rows_MI, w_EIO, group_sizes_E)
+    tokamax = _import_tokamax()
+    # None: tokamax's own order (Mosaic GPU on Hopper, then Triton, then XLA)
+    implementation = ("triton", "xla") if impl == "tokamax_triton" else None
+    return lambda rows_MI, w_EIO: tokamax.ragged_dot(rows_MI, w_EIO, group_sizes_E,
+                                                     implementation=implementation)
+
+
+def _import_tokamax():
+    """tokamax (the `gpu` extra), imported only where a config asks for it.
+
+    tokamax reads absl flags, and absl would parse this process's own command line
+    (`europa-jax plan --devices …`, pytest's) on first access and reject it: flags are
+    marked parsed first, at their defaults.
+    """
+    import logging
+
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import tokamax
+
+    # Without a tuned-config cache every trace warns, printing every group size: drop those.
+    logging.getLogger("absl").addFilter(
+        lambda record: not str(record.msg).startswith("Autotuning cache miss"))
+    return tokamax
+
+
+def tokamax_available() -> bool:
+    try:
+        return importlib.util.find_spec("tokamax") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The configured grouped matmul; `auto` is `blocked` on CPU and tokamax's on GPU.
+
+    `platform` defaults to the SPMD context's (the mesh's devices), then jax's backend.
+    """
+    if platform is None:
+        ctx = comm.current()
+        platform = ctx.platform if ctx else jax.default_backend()
+    impl = cfg.grouped_matmul
+    if impl == "auto":
+        impl = "blocked" if platform == "cpu" else "tokamax"
+    if impl.startswith("tokamax") and not tokamax_available():
+        raise ConfigError(f"model.grouped_matmul: {cfg.grouped_matmul!r} on {platform} uses "
+                          "tokamax's grouped matmul, which is not installed: pip install -e "
+                          "'.[gpu]' (or set model.grouped_matmul: blocked)")
+    return impl
 
 
 def compute_local_experts(x_RD, experts_RK, weights_RK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
