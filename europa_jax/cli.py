@@ -47,13 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     count.add_argument("config")
     count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
-    plan = sub.add_parser("plan", help="per-device memory, FLOPs, communication and GH200 "
-                          "step estimate, from the step compiled for N fake CPU devices")
+    plan = sub.add_parser("plan", help="per-device memory, FLOPs, communication, kernels and "
+                          "GH200 step estimate, from the step compiled for N GPUs (or CPUs) "
+                          "without them")
     plan.add_argument("config")
     plan.add_argument("--devices", type=int, required=True,
                       help="must equal mesh.data × mesh.expert")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    plan.add_argument("--target", default="gh200", choices=["gh200", "h100", "h200", "cpu"],
+                      help="the device the step is compiled for: a GPU (needs the `gpu` "
+                      "extra; 4 GPUs per node) or cpu (XLA:CPU, the former plan)")
     plan.add_argument("--probe-moe-layers", metavar="A,B",
                       help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
                       "config's depth")
@@ -107,11 +111,21 @@ def _plan(args: argparse.Namespace, cfg) -> int:
         if len(probes) != 2 or min(probes) < 1 or probes[0] == probes[1]:
             raise ConfigError(f"--probe-moe-layers {args.probe_moe_layers!r}: expected two "
                               "different positive layer counts, e.g. 4,6")
+    from europa_jax import gpu_target
+
+    if args.target != "cpu":
+        if probes:
+            raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
+                              "compiles the whole depth in about a minute)")
+        gpu_target.require_toolchain(args.target)
+        gpu_target.prepare_process()
     from europa_jax import plan, plan_format  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
-    _use_cpu_devices(args.devices, platform="cpu")  # a plan never touches a GPU
-    report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes)
+    # a plan never touches a device: CPU is the backend, a GPU only a compilation target
+    _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
+    report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
+                       target=args.target)
     print(json.dumps(report, indent=2) if args.json else plan_format.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 

@@ -3,8 +3,10 @@ step), matmul FLOPs, and the largest buffers.
 
 We read the HLO *before* XLA's optimizations (`lowered.compiler_ir("hlo")`): that is the
 program as written — XLA:CPU later upcasts fp8/bf16 collectives, which would hide what a
-GPU run sends. The optimized text (`compiled.as_text()`) parses too; it is where the
-collectives the SPMD partitioner adds outside `shard_map` appear. Work inside `while`
+GPU run sends. The optimized text (`compiled.as_text()`) parses too: of a CPU compile it
+shows the collectives the SPMD partitioner adds outside `shard_map`; of a GPU-target
+compile (gpu_target.py) it is what a GPU runs — async `*-start` ops, collectives of
+several dtypes combined into one (counted per dtype). Work inside `while`
 loops (the scan over layers, lax.map) is counted once per iteration; trip counts come
 from XLA's `known_trip_count` or the loop condition `i < N` that jax emits for scans.
 Replica groups are mapped back to the mesh axes that generate them.
@@ -46,13 +48,50 @@ class Collective:
 
 def _shape_bytes(text: str) -> tuple[str, int]:
     """(dtype of the first array, total bytes of all arrays) in an HLO shape string."""
-    dtype, total = "", 0
+    by_dtype = _bytes_by_dtype(text)
+    return next(iter(by_dtype), ""), sum(by_dtype.values())
+
+
+def _bytes_by_dtype(text: str) -> dict[str, int]:
+    """Bytes of the arrays in an HLO shape string, per dtype, in order of appearance."""
+    out: dict[str, int] = {}
     for dt, dims in _SHAPE.findall(text):
-        if dt not in DTYPE_BYTES:
-            continue
-        dtype = dtype or dt
-        total += DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return dtype, total
+        if dt in DTYPE_BYTES:
+            out[dt] = out.get(dt, 0) + DTYPE_BYTES[dt] * math.prod(_dims(dims) or [1])
+    return out
+
+
+def _top_level_items(text: str) -> list[str]:
+    """`(a, (b, c), d)` → ['a', '(b, c)', 'd']; a shape that is no tuple → [itself]."""
+    text = re.sub(r"/\*[^*]*\*/", "", text).strip()
+    if not text.startswith("("):
+        return [text]
+    items, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (depth == 0 and ch == ")"):
+            items.append(text[start:i].strip())
+            start = i + 1
+    return [item for item in items if item]
+
+
+def _result_shape(op: str, result: str) -> str:
+    """The collective's result arrays, from an instruction's result shape.
+
+    An async `-start` (optimized GPU HLO) returns a tuple that also holds its operands:
+    `(operands, results)` for gathers, scatters and all-to-alls, `(operands…, output)`
+    for ragged all-to-all, `(operand, result, context…)` for collective-permute; an
+    all-reduce-start returns its results only (shaped like its operands).
+    """
+    if not op.endswith("-start") or op == "all-reduce-start":
+        return result
+    items = _top_level_items(result)
+    if op == "collective-permute-start":
+        return items[1] if len(items) > 1 else result
+    return items[-1]
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -183,24 +222,33 @@ def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None
     for name, times in execution_counts(comps, entry).items():
         for line in comps[name]:
             match = _INSTR.match(line)
-            if not match or match.group(2) not in COLLECTIVES or (keep and not keep(line)):
+            if not match or (keep and not keep(line)):
                 continue
-            op, result = match.group(2), match.group(1)
+            op = match.group(2).removesuffix("-start")
+            if op not in COLLECTIVES:
+                continue
             groups = _groups(line)
             n = len(groups[0]) if groups else 1
-            # Unoptimized HLO names operands without shapes: sizes come from the result.
-            dtype, result_bytes = _shape_bytes(result)
-            if op == "reduce-scatter":  # operand = n × result
-                moved = result_bytes * (n - 1)
-            elif op == "all-reduce":
-                moved = 2 * result_bytes * (n - 1) / n
-            elif op == "collective-permute":
-                moved = result_bytes
-            else:  # all-gather, all-to-all, ragged-all-to-all
-                moved = result_bytes * (n - 1) / n
-            found.append(Collective(op, axes_of_groups(groups, mesh) if groups else (),
-                                    dtype, moved * times, times))
+            axes = axes_of_groups(groups, mesh) if groups else ()
+            # Operands are named without shapes (unoptimized HLO) or mixed into an async
+            # start's tuple: sizes come from the result. XLA combines collectives of
+            # different dtypes into one (an fp8 gather with the fp32 router's): per dtype.
+            for dtype, result_bytes in _bytes_by_dtype(_result_shape(match.group(2),
+                                                                     match.group(1))).items():
+                found.append(Collective(op, axes, dtype,
+                                        _moved_bytes(op, result_bytes, n) * times, times))
     return found
+
+
+def _moved_bytes(op: str, result_bytes: int, n: int) -> float:
+    """Bytes one device sends for one execution (ring volumes, module docstring)."""
+    if op == "reduce-scatter":  # operand = n × result
+        return result_bytes * (n - 1)
+    if op == "all-reduce":
+        return 2 * result_bytes * (n - 1) / n
+    if op == "collective-permute":
+        return result_bytes
+    return result_bytes * (n - 1) / n  # all-gather, all-to-all, ragged-all-to-all
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?([\w.\-]+)\s*=\s*([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -232,8 +280,9 @@ def dot_flops(hlo: str, keep: Callable[[str], bool] | None = None) -> float:
     return total
 
 
-def largest_buffers(hlo: str, n: int = 5) -> list[dict]:
-    """The `n` largest distinct arrays an HLO program defines, with the jax op that made them."""
+def largest_buffers(hlo: str, n: int | None = 5) -> list[dict]:
+    """The `n` largest distinct arrays an HLO program defines, with the jax op that made them
+    (all of them for n=None)."""
     seen: dict[tuple, dict] = {}
     for line in hlo.replace("%", "").splitlines():
         match = _DEFINITION.match(line)

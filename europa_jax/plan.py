@@ -46,7 +46,7 @@ from typing import Any
 
 import jax
 
-from europa_jax import flops, hardware, sharding, train
+from europa_jax import flops, gpu_target, hardware, plan_gpu, sharding, train
 from europa_jax.config import Config
 from europa_jax.plan_compile import (extrapolate, measure, measure_update, with_exact_update,
                                      with_moe_layers)
@@ -108,18 +108,28 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
 
 
 def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int] | None = None,
-         machine: hardware.Hardware = hardware.GH200_JUPITER) -> dict[str, Any]:
-    """The plan report (a JSON-able dict) for `cfg` on as many CPU devices as its mesh."""
+         machine: hardware.Hardware = hardware.GH200_JUPITER, target: str = "cpu"
+         ) -> dict[str, Any]:
+    """The plan report (a JSON-able dict) for `cfg` compiled for `target`: "cpu" (as many
+    fake CPU devices as its mesh) or a GPU of gpu_target.TARGETS (a topology of as many
+    compile-only GPUs, 4 per host)."""
     n_moe = cfg.model.n_moe_layers
-    if probe_moe_layers is None and not cfg.model.scan_layers and n_moe > max(PROBE_MOE_LAYERS):
+    gpu = target != "cpu"
+    if (probe_moe_layers is None and not gpu and not cfg.model.scan_layers
+            and n_moe > max(PROBE_MOE_LAYERS)):
         probe_moe_layers = PROBE_MOE_LAYERS  # unrolled: compile time grows with depth
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = plan_gpu.plan_mesh(cfg, target) if gpu else sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)  # shapes only: cheap at full depth
     state = train.abstract_state(trainer)
-    compiled = {"moe_layers": n_moe, "mode": "full depth", "error": None}
+    compiled = {"moe_layers": n_moe, "mode": "full depth", "error": None,
+                "program": f"XLA:GPU for {gpu_target.TARGETS[target].name}" if gpu
+                else "XLA:CPU"}
+    facts = None
     start = time.perf_counter()
     try:
-        if probe_moe_layers:
+        if gpu:
+            numbers, largest, facts = plan_gpu.measure(cfg, mesh)
+        elif probe_moe_layers:
             a, b = sorted(probe_moe_layers)
             at_a, _ = measure(with_moe_layers(cfg, a), mesh)
             at_b, largest = measure(with_moe_layers(cfg, b), mesh)
@@ -133,8 +143,13 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
         numbers, largest = {}, {"step": [], "forward_backward": []}
         compiled["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     compiled["seconds"] = time.perf_counter() - start
-    return report(cfg, name, state, replicated_params(state, mesh), numbers, largest, compiled,
-                  machine)
+    out = report(cfg, name, state, replicated_params(state, mesh), numbers, largest, compiled,
+                 machine, target=target)
+    if facts is not None:
+        host_state = sum(k.get("pinned_host", 0) for k in state_bytes(state).values())
+        out["kernels"] = plan_gpu.kernel_checks(cfg, numbers, facts, host_state,
+                                                out["collectives"])
+    return out
 
 
 def _rows(numbers: dict[str, float], prefix: str, machine, expert: int) -> list[dict]:
@@ -178,8 +193,8 @@ def _xla(numbers: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[str, float],
-           largest: dict[str, list[dict]], compiled: dict,
-           machine: hardware.Hardware) -> dict[str, Any]:
+           largest: dict[str, list[dict]], compiled: dict, machine: hardware.Hardware,
+           target: str = "cpu") -> dict[str, Any]:
     n_dev = cfg.mesh.n_devices
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     held = state_bytes(state)
@@ -191,7 +206,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     # XLA:CPU counts host-kind arguments and offloaded saves as its own memory: take them out.
     step, fb, upd = (_xla(numbers, p) for p in ("memory", "memory_fb", "memory_update"))
     step_device = fb_device = update_device = None
-    if step:
+    if step and target == "cpu":
         step_device = (step["argument"] - host_state + max(0.0, step["output"] - step["alias"])
                        + step["temp"] - act_host + step["generated_code"])
         # forward+backward as its own program: all parameters on device for the pass, the
@@ -217,37 +232,84 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     executed = model_flops * recompute + optimizer_flops
     step_rows = _rows(numbers, "collective/step", machine, cfg.mesh.expert)
     partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg.mesh.expert)
+    gpu_rows = _rows(numbers, "collective/compiled", machine, cfg.mesh.expert)
+    gpu = target != "cpu"
+    if gpu:
+        hbm_peak, host_peak, memory = _gpu_memory(numbers, largest)
+        host_total = host_peak if numbers else host_total
+        memory.update(state=held, replicated_params=replicated, gradients=grads,
+                      activations_offloaded=act_host)
+        budget = {"hbm_bytes": gpu_target.TARGETS[target].hbm_budget_bytes,
+                  "host_bytes": machine.host_bytes}
+        charged = gpu_rows  # the whole program, as the GPU compiler emits it
+    else:
+        hbm_peak, host_peak = step_device, host_total
+        budget = {"hbm_bytes": gpu_target.TARGETS["gh200"].hbm_budget_bytes,
+                  "host_bytes": machine.host_bytes}
+        charged = step_rows + partitioner_rows
     estimate = functools.partial(_estimate, model_flops=model_flops, c2c_bytes=host_total,
                                  update_bytes=2 * all_state + grads,
                                  tokens_per_device=tokens / n_dev, machine=machine)
+    as_compiled = estimate(executed, rows=charged)
+    fits = (hbm_peak is not None and hbm_peak <= budget["hbm_bytes"]
+            and host_peak is not None and host_peak <= budget["host_bytes"])
+    for row, source in [(r, "step") for r in step_rows] + [
+            (r, "partitioner") for r in partitioner_rows] + [(r, "compiled") for r in gpu_rows]:
+        row["source"] = source
+    if not gpu:
+        memory = _cpu_memory(held, replicated, grads, act_host, host_total, step, fb, upd,
+                             step_device, fb_device, update_device, largest, machine)
     return {
-        "config": name, "devices": n_dev,
+        "config": name, "target": target, "devices": n_dev,
+        "budget": budget, "fits": fits,
+        "per_device": {"hbm_peak_bytes": hbm_peak, "host_peak_bytes": host_peak},
         "mesh": {"data": cfg.mesh.data, "expert": cfg.mesh.expert},
         "tokens_per_device": tokens / n_dev, "seq_len": cfg.data.seq_len,
         "layers": cfg.model.n_layers, "compiled": compiled, "machine": dataclasses.asdict(machine),
-        "memory": {
-            "state": held, "replicated_params": replicated, "gradients": grads,
-            "activations_offloaded": act_host, "host_total": host_total,
-            "fits_host": host_total <= machine.host_bytes,
-            "step": {"xla_cpu": step, "device_total": step_device,
-                     "fits_device": step_device is not None and step_device <= machine.hbm_bytes,
-                     "largest_buffers": largest["step"]},
-            "forward_backward": {"xla_cpu": fb, "device_total": fb_device,
-                                 "fits_device": fb_device is not None
-                                 and fb_device <= machine.hbm_bytes,
-                                 "largest_buffers": largest["forward_backward"]},
-            "update": {"xla_cpu": upd, "device_total": update_device,
-                       "fits_device": update_device is not None
-                       and update_device <= machine.hbm_bytes},
-        },
+        "memory": memory,
         "flops": {"model": model_flops, "recompute_factor": recompute,
                   "optimizer": optimizer_flops, "executed": executed,
                   "hlo_matmul_loss": numbers.get("flops/hlo_loss"),
                   "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
-        "collectives": {"step": step_rows, "partitioner": partitioner_rows},
+        "collectives": charged,
+        "kernels": [],
         "estimate": {
-            "as_compiled": estimate(executed, rows=step_rows + partitioner_rows),
+            "tokens_per_s_per_gpu": as_compiled["tokens_per_s_per_gpu_overlapped"],
+            "as_compiled": as_compiled,
             # what the same step would take if the optimizer update stayed on each shard
-            "update_kept_local": estimate(model_flops * recompute, rows=step_rows),
+            "update_kept_local": None if gpu else estimate(model_flops * recompute,
+                                                           rows=step_rows),
         },
     }
+
+
+def _cpu_memory(held, replicated, grads, act_host, host_total, step, fb, upd, step_device,
+                fb_device, update_device, largest, machine) -> dict[str, Any]:
+    """The XLA:CPU program's memory, corrected for what XLA:CPU ignores (report())."""
+    return {
+        "state": held, "replicated_params": replicated, "gradients": grads,
+        "activations_offloaded": act_host, "host_total": host_total,
+        "fits_host": host_total <= machine.host_bytes,
+        "step": {"xla_cpu": step, "device_total": step_device,
+                 "fits_device": step_device is not None and step_device <= machine.hbm_bytes,
+                 "largest_buffers": largest["step"]},
+        "forward_backward": {"xla_cpu": fb, "device_total": fb_device,
+                             "fits_device": fb_device is not None
+                             and fb_device <= machine.hbm_bytes,
+                             "largest_buffers": largest["forward_backward"]},
+        "update": {"xla_cpu": upd, "device_total": update_device,
+                   "fits_device": update_device is not None
+                   and update_device <= machine.hbm_bytes},
+    }
+
+
+def _gpu_memory(numbers: dict[str, float], largest) -> tuple[float | None, float | None, dict]:
+    """(HBM peak, host peak, detail) of the GPU program: XLA:GPU's own accounting, memory
+    kinds apart. Peak = arguments + outputs not aliased to them + temporaries."""
+    mem = _xla(numbers, "memory")
+    if not mem:
+        return None, None, {"step": {"xla_gpu": {}, "largest_buffers": []}}
+    hbm = (mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+           + mem["generated_code"])
+    host = (mem["host_argument"] + mem["host_output"] - mem["host_alias"] + mem["host_temp"])
+    return hbm, host, {"step": {"xla_gpu": mem, "largest_buffers": largest["step"]}}

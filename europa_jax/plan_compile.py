@@ -31,7 +31,7 @@ def _on_device(tree):
         x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
 
 
-def _lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
+def lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
     """Forward + backward alone (no optimizer): per-device shapes, all in the shard_map."""
     def loss(params, router_bias_LE, batch):
         return trainer.loss(params, router_bias_LE, batch)[0]
@@ -39,7 +39,7 @@ def _lower_loss(trainer: train.Trainer, state: train.TrainState, batch):
     return jax.jit(jax.grad(loss)).lower(_on_device(state.params), state.router_bias_LE, batch)
 
 
-def _lower_update(trainer: train.Trainer, state: train.TrainState):
+def lower_update(trainer: train.Trainer, state: train.TrainState):
     """The optimizer update alone, on device values: gradients shaped like the parameters."""
     def update(grads, opt_state, params):
         updates, opt_state = trainer.tx.update(grads, opt_state, params)
@@ -50,7 +50,7 @@ def _lower_update(trainer: train.Trainer, state: train.TrainState):
                                                          params)
 
 
-def _hlo(lowered) -> str:
+def lowered_hlo(lowered) -> str:
     return lowered.compiler_ir("hlo").as_hlo_text()
 
 
@@ -91,7 +91,7 @@ def offloaded_activation_bytes(jaxpr) -> int:
     return total
 
 
-def _collective_numbers(rows: list[dict], prefix: str) -> dict[str, float]:
+def collective_numbers(rows: list[dict], prefix: str) -> dict[str, float]:
     numbers = {}
     for r in rows:
         key = f"{prefix}/{r['op']}/{r['axes']}/{r['dtype']}"
@@ -107,19 +107,16 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
     """
     trainer = train.build_trainer(cfg, mesh)
     state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
-    no_remat = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, remat="none"),
-        offload=dataclasses.replace(cfg.offload, activations="none"))
-    plain = train.build_trainer(no_remat, mesh)
+    plain = train.build_trainer(without_remat(cfg), mesh)
     with jax.set_mesh(mesh):
         traced = train.jit_train_step(trainer).trace(state, batch)
         lowered = traced.lower()
-        loss_lowered = _lower_loss(trainer, state, batch)
-        plain_flops = hlo_report.dot_flops(_hlo(_lower_loss(plain, train.abstract_state(plain),
-                                                            batch)))
+        loss_lowered = lower_loss(trainer, state, batch)
+        plain_flops = hlo_report.dot_flops(lowered_hlo(lower_loss(
+            plain, train.abstract_state(plain), batch)))
         compiled = lowered.compile()
         loss_compiled = loss_lowered.compile()
-        update_compiled = _lower_update(trainer, state).compile()
+        update_compiled = lower_update(trainer, state).compile()
     text = compiled.as_text()
     cost = compiled.cost_analysis()
     numbers = _update_numbers(update_compiled, mesh)
@@ -127,19 +124,25 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
                         ("memory_fb", loss_compiled.memory_analysis())):
         numbers.update(_memory_numbers(prefix, mem))
     numbers.update({
-        "flops/hlo_loss": hlo_report.dot_flops(_hlo(loss_lowered)),
+        "flops/hlo_loss": hlo_report.dot_flops(lowered_hlo(loss_lowered)),
         "flops/hlo_loss_no_remat": plain_flops,
         "flops/xla_cost_analysis": float((cost or {}).get("flops", 0.0)),
         "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
     })
-    numbers.update(_collective_numbers(
-        hlo_report.summarize(hlo_report.collectives(_hlo(lowered), mesh)), "collective/step"))
-    numbers.update(_collective_numbers(hlo_report.summarize(hlo_report.collectives(
+    numbers.update(collective_numbers(hlo_report.summarize(
+        hlo_report.collectives(lowered_hlo(lowered), mesh)), "collective/step"))
+    numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(
         text, mesh, keep=_outside_shard_map)), "collective/partitioner"))
     largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS),
                "forward_backward": hlo_report.largest_buffers(loss_compiled.as_text(),
                                                               TOP_BUFFERS)}
     return numbers, largest
+
+
+def without_remat(cfg: Config) -> Config:
+    """The same step saving every activation: its matmuls ÷ the step's = recompute."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"),
+                               offload=dataclasses.replace(cfg.offload, activations="none"))
 
 
 def _memory_numbers(prefix: str, mem) -> dict[str, float]:
@@ -157,7 +160,7 @@ def _update_numbers(update_compiled, mesh) -> dict[str, float]:
     text = update_compiled.as_text()
     numbers = _memory_numbers("memory_update", update_compiled.memory_analysis())
     numbers["flops/optimizer"] = hlo_report.dot_flops(text)
-    numbers.update(_collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
+    numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
                                        "collective/update"))
     return numbers
 
@@ -168,7 +171,7 @@ def measure_update(cfg: Config, mesh) -> dict[str, float]:
     function of depth that no line through two probes follows."""
     trainer = train.build_trainer(cfg, mesh)
     with jax.set_mesh(mesh):
-        compiled = _lower_update(trainer, train.abstract_state(trainer)).compile()
+        compiled = lower_update(trainer, train.abstract_state(trainer)).compile()
     return _update_numbers(compiled, mesh)
 
 

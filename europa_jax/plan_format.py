@@ -99,34 +99,92 @@ def _estimate(e: dict[str, float], label: str) -> list[str]:
             f"{e['tokens_per_s_per_gpu_serial']:,.0f} tokens/s/GPU"]
 
 
+def _gpu_memory(r: dict[str, Any]) -> list[str]:
+    """Memory of the GPU program: XLA:GPU's own accounting, HBM and host apart."""
+    m, budget, per = r["memory"], r["budget"], r["per_device"]
+    held, x = m["state"], m["step"]["xla_gpu"]
+    row = lambda label, dev="", host="": f"  {label:<50}{dev:>14}{host:>14}"
+    lines = [f"{'memory per GPU (the GPU program)':<52}{'HBM':>14}{'host':>14}"]
+    for label, key in (("parameters (master copy)", "params"),
+                       ("optimizer state", "optimizer_state"), ("other state", "other_state")):
+        lines.append(row(label, size(held[key].get("device", 0)),
+                         size(held[key].get("pinned_host", 0))))
+    for rep in [p for p in m["replicated_params"] if p["bytes"] >= 1e6][:3]:
+        lines.append(row(f"  of which {rep['name']} copied over '{rep['over']}'",
+                         size(rep["bytes"])))
+    if x:
+        lines += [row("arguments (state in, batch)", size(x["argument"]),
+                      size(x["host_argument"])),
+                  row("outputs not aliased to arguments", size(x["output"] - x["alias"]),
+                      size(x["host_output"] - x["host_alias"])),
+                  row("temporaries (activations, gradients, buffers)", size(x["temp"]),
+                      size(x["host_temp"])),
+                  row("  of which saved activations offloaded (jaxpr)", "",
+                      size(m["activations_offloaded"]))]
+    lines += [row("peak", size(per["hbm_peak_bytes"]), size(per["host_peak_bytes"])),
+              row("budget per GPU", size(budget["hbm_bytes"]), size(budget["host_bytes"])),
+              row("", _fits(per["hbm_peak_bytes"] is not None
+                            and per["hbm_peak_bytes"] <= budget["hbm_bytes"]),
+                  _fits(per["host_peak_bytes"] is not None
+                        and per["host_peak_bytes"] <= budget["host_bytes"]))]
+    if m["step"]["largest_buffers"]:
+        lines.append("largest buffers of the step (GPU program):")
+        for b in m["step"]["largest_buffers"]:
+            shape = f"{b['dtype']}[{','.join(map(str, b['shape']))}]"
+            lines.append(f"  {size(b['bytes']):>12}  {shape:<26} …{b['source'][-70:]}")
+    return lines
+
+
+def _kernels(checks: list[dict]) -> list[str]:
+    lines = ["GPU-only paths: what each compiled to"]
+    for k in checks:
+        lines.append(f"  {'ok ' if k['ok'] else 'NO '} {k['path']} ({k['configured']}): "
+                     f"{k['found']}")
+        if not k["ok"]:
+            lines.append(f"      expected {k['expected']}")
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     c, hw = r["compiled"], r["machine"]
+    gpu = r["target"] != "cpu"
     rows = r["tokens_per_device"] / r["seq_len"]
     lines = [f"plan: {r['config']} on {r['devices']} devices (data {r['mesh']['data']} × expert "
              f"{r['mesh']['expert']}), {r['tokens_per_device']:,.0f} tokens per device per step "
              f"({rows:g} × {r['seq_len']:,})",
-             f"compiled on XLA:CPU: {c['mode']}, {r['layers']} layers ({c['moe_layers']} MoE), "
-             f"{c['seconds']:.0f} s"]
+             f"compiled for {c['program']}: {c['mode']}, {r['layers']} layers "
+             f"({c['moe_layers']} MoE), {c['seconds']:.0f} s",
+             f"fits (HBM ≤ {size(r['budget']['hbm_bytes'])}, host ≤ "
+             f"{size(r['budget']['host_bytes'])}): {'yes' if r['fits'] else 'NO'}"]
     if c["error"]:
         lines.append(f"COMPILE FAILED: {c['error']} — state bytes below are exact, nothing "
                      "else could be measured")
-    lines += [""] + _memory(r)
+    lines += [""] + (_gpu_memory(r) if gpu else _memory(r))
     if c["error"]:
         return "\n".join(lines)
+    if gpu:
+        lines += [""] + _kernels(r["kernels"])
     lines += [""] + _flops(r["flops"])
-    lines += [""] + _collectives(r["collectives"]["step"],
-                                 "collectives per device per step, the step as written "
-                                 "(lowered HLO, wire dtypes)")
-    lines += [""] + _collectives(r["collectives"]["partitioner"],
-                                 "collectives the SPMD partitioner adds outside the shard_map "
-                                 "(compiled XLA:CPU program)")
+    by_source = lambda source: [row for row in r["collectives"] if row["source"] == source]
+    if gpu:
+        lines += [""] + _collectives(by_source("compiled"), "collectives per GPU per step "
+                                     "(optimized GPU program, wire dtypes; ragged all-to-all "
+                                     "at its buffer size, an upper bound)")
+    else:
+        lines += [""] + _collectives(by_source("step"),
+                                     "collectives per device per step, the step as written "
+                                     "(lowered HLO, wire dtypes)")
+        lines += [""] + _collectives(by_source("partitioner"),
+                                     "collectives the SPMD partitioner adds outside the "
+                                     "shard_map (compiled XLA:CPU program)")
     lines += ["", f"estimate on {hw['name']} (hardware.py): compute at "
               f"{hw['compute_efficiency']:.0%} of {hw['bf16_flops'] / 1e12:.0f} TFLOP/s; links at "
               f"{hw['link_efficiency']:.0%} of NVLink {hw['nvlink_pair_bandwidth'] / 1e9:.0f} GB/s "
               f"per peer, InfiniBand {hw['network_bandwidth'] / 1e9:.0f} GB/s, C2C "
               f"{hw['c2c_bandwidth'] / 1e9:.0f} GB/s"]
     lines += _estimate(r["estimate"]["as_compiled"], "as compiled")
-    lines += _estimate(r["estimate"]["update_kept_local"],
-                       "if the optimizer update stayed on each shard (no partitioner traffic "
-                       "or optimizer matmuls)")
+    if r["estimate"]["update_kept_local"]:
+        lines += _estimate(r["estimate"]["update_kept_local"],
+                           "if the optimizer update stayed on each shard (no partitioner "
+                           "traffic or optimizer matmuls)")
     return "\n".join(lines)

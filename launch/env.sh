@@ -20,6 +20,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # Combining: collectives under 1 GiB are merged into fewer, larger messages (InfiniBand
 # pays per message); not by dimension, so differently shaped weights combine too.
 # The one-shot ragged all-to-all kernel is slower for the MoE exchange (MaxText, Marin).
+# GEMMs on cuBLAS, not Triton: XLA's Triton GEMM fusion fails to tile some Newton–Schulz
+# matmuls when compiled ahead of time, and `europa-jax plan --target gh200` compiles with
+# exactly this option (europa_jax/gpu_target.py), so plan and run see the same program.
 europa_xla_flags=(
   --xla_gpu_enable_latency_hiding_scheduler=true
   --xla_gpu_enable_highest_priority_async_stream=true
@@ -33,6 +36,7 @@ europa_xla_flags=(
   --xla_gpu_enable_all_gather_combine_by_dim=false
   --xla_gpu_enable_reduce_scatter_combine_by_dim=false
   --xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false
+  --xla_gpu_enable_triton_gemm=false
 )
 # The caller's XLA_FLAGS come last, so they override these.
 export XLA_FLAGS="${europa_xla_flags[*]} ${XLA_FLAGS:-}"

