@@ -85,6 +85,9 @@ class ModelConfig:
     # null = dropless (exchange buffers sized for the worst case). A float bounds rows per
     # peer to ceil(factor · T·K / ep); rows past it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None
+    # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless
+    # buffers are sized by the chunk (ep·chunk·K rows), not by the whole 65,536-token row.
+    moe_chunk_tokens: int = 0
     scan_layers: bool = True
     remat: Literal["none", "full"] = "full"
 
@@ -97,6 +100,8 @@ class ModelConfig:
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
                               f"model.n_layers={self.n_layers}]")
+        if self.moe_chunk_tokens < 0:
+            raise ConfigError(f"model.moe_chunk_tokens: {self.moe_chunk_tokens} must be >= 0")
         if self.loss_chunk_tokens < 0:
             raise ConfigError(f"model.loss_chunk_tokens: {self.loss_chunk_tokens} must be >= 0")
         if self.n_shared_experts < 0:
@@ -314,6 +319,9 @@ class Config:
         if 0 < m.loss_chunk_tokens < data.seq_len and data.seq_len % m.loss_chunk_tokens:
             raise ConfigError(f"model.loss_chunk_tokens: {m.loss_chunk_tokens} does not divide "
                               f"data.seq_len={data.seq_len} (0 = the whole sequence at once)")
+        if 0 < m.moe_chunk_tokens < data.seq_len and data.seq_len % m.moe_chunk_tokens:
+            raise ConfigError(f"model.moe_chunk_tokens: {m.moe_chunk_tokens} does not divide "
+                              f"data.seq_len={data.seq_len} (0 = all tokens at once)")
         if data.global_batch_size % mesh.n_devices:
             raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
                               f"by the mesh's {mesh.n_devices} devices (data×expert)")

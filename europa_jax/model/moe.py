@@ -251,6 +251,37 @@ def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
     return y_TD, stats
 
 
+def chunked_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                     cfg: ModelConfig):
+    """`moe_dispatch` over `cfg.moe_chunk_tokens` tokens at a time (all at once for 0).
+
+    Each chunk is dispatched dropless on its own — its exchange buffers, sorted rows and
+    grouped-matmul operands sized by the chunk — and is a `jax.checkpoint`, so that the
+    backward pass also holds one chunk's buffers at a time instead of every chunk's
+    residuals: the layer's peak no longer grows with the sequence. The price is that the
+    chunk's forward (exchange and expert matmuls) runs once more in the backward pass.
+    Tokens never interact across chunks in a MoE layer, so outputs and gradients are
+    those of one dispatch (up to summation order).
+    """
+    t, k = experts_TK.shape
+    chunk = cfg.moe_chunk_tokens
+    if not chunk or chunk >= t:
+        return moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                            cfg)
+    n = t // chunk  # the config checks that the chunk divides the sequence
+
+    @jax.checkpoint
+    def one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, x_CD, weights_CK, experts_CK):
+        return moe_dispatch(x_CD, weights_CK, experts_CK, w_gate_EDF, w_up_EDF, w_down_EFD,
+                            cfg)
+
+    y_NCD, stats_N = jax.lax.map(
+        lambda args: one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, *args),
+        (x_TD.reshape(n, chunk, -1), weights_TK.reshape(n, chunk, k),
+         experts_TK.reshape(n, chunk, k)))
+    return y_NCD.reshape(t, -1), jax.tree.map(lambda v: v.sum(axis=0), stats_N)
+
+
 class MoE(nn.Module):
     """Routed experts (dropless by default, expert-parallel under SPMD) plus shared experts."""
 
@@ -272,8 +303,8 @@ class MoE(nn.Module):
         b, s, _ = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
         weights_TK, experts_TK = route(x_TD.astype(jnp.float32) @ w_router_DE, router_bias_E, cfg)
-        y_TD, stats = moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF,
-                                   w_down_EFD, cfg)
+        y_TD, stats = chunked_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF,
+                                       w_down_EFD, cfg)
         routed_BSD = checkpoint_name(y_TD.astype(dt).reshape(b, s, d), "moe_out")
         if cfg.n_shared_experts:
             shared_BSD = SwiGLU(cfg, cfg.n_shared_experts * f, name="shared")(x_BSD)
