@@ -282,17 +282,20 @@ def dot_flops(hlo: str, keep: Callable[[str], bool] | None = None) -> float:
 
 def largest_buffers(hlo: str, n: int | None = 5) -> list[dict]:
     """The `n` largest distinct arrays an HLO program defines, with the jax op that made them
-    (all of them for n=None)."""
+    and where they live: `memory` is "host" for a layout in memory space 5 (`{1,0:S(5)}`,
+    XLA:GPU's pinned host memory), else "device". All of them for n=None."""
     seen: dict[tuple, dict] = {}
     for line in hlo.replace("%", "").splitlines():
         match = _DEFINITION.match(line)
         if not match or match.group(2) not in DTYPE_BYTES:
             continue
         dims = _dims(match.group(3))
+        layout = re.match(r"\{[^}]*\}", line[match.end():])
+        memory = "host" if layout and ":S(5)" in layout.group(0) else "device"
         source = re.search(r'op_name="([^"]*)"', line)
-        key = (match.group(2), tuple(dims))
+        key = (match.group(2), tuple(dims), memory)
         if key not in seen or (source and not seen[key]["source"]):
-            seen[key] = {"dtype": match.group(2), "shape": dims,
+            seen[key] = {"dtype": match.group(2), "shape": dims, "memory": memory,
                          "bytes": DTYPE_BYTES[match.group(2)] * math.prod(dims),
                          "source": source.group(1) if source else ""}
     return sorted(seen.values(), key=lambda b: -b["bytes"])[:n]

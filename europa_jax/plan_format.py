@@ -128,10 +128,11 @@ def _gpu_memory(r: dict[str, Any]) -> list[str]:
                   _fits(per["host_peak_bytes"] is not None
                         and per["host_peak_bytes"] <= budget["host_bytes"]))]
     if m["step"]["largest_buffers"]:
-        lines.append("largest buffers of the step (GPU program):")
+        lines.append("largest buffers of the step (GPU program; host = pinned_host):")
         for b in m["step"]["largest_buffers"]:
             shape = f"{b['dtype']}[{','.join(map(str, b['shape']))}]"
-            lines.append(f"  {size(b['bytes']):>12}  {shape:<26} …{b['source'][-70:]}")
+            lines.append(f"  {size(b['bytes']):>12} {b['memory']:<6} {shape:<26} "
+                         f"…{b['source'][-62:]}")
     return lines
 
 

@@ -57,7 +57,7 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
     })
     numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
                                       "collective/compiled"))
-    largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS)}
+    largest = {"step": device_buffers(text, TOP_BUFFERS)}
     return numbers, largest, program_facts(text, cfg)
 
 
@@ -88,6 +88,13 @@ def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
     least = e_local * rows * min(cfg.model.d_model, cfg.model.expert_ffn_dim)
     return [b for b in hlo_report.largest_buffers(text, None)
             if e_local in b["shape"] and rows in b["shape"] and math.prod(b["shape"]) >= least]
+
+
+def device_buffers(text: str, n: int) -> list[dict]:
+    """The `n` largest buffers in HBM, then the largest in host memory (to tell them apart)."""
+    every = hlo_report.largest_buffers(text, None)
+    return ([b for b in every if b["memory"] == "device"][:n]
+            + [b for b in every if b["memory"] == "host"][:2])
 
 
 def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_state: int,
