@@ -1,6 +1,7 @@
 """One GPU, under five minutes: are europa-952b's kernels fast here, and is offload cheap?
 
     python benchmarks/gpu_check.py [--json gpu_check.json] [--tokens N] [--cpu-smoke]
+                                   [--aot-target gh200|h100|h200] [--aot-only]
 
 On a GPU (H100/H200/GH200) it runs at europa-952b's per-GPU shapes — expert parallelism
 4, so 96 local experts, and 65,536 tokens whose 8 routed copies (524,288 rows) land on
@@ -14,31 +15,43 @@ this GPU's experts under even routing:
    attention (causal, one document; v padded to the qk width cuDNN needs);
 4. copies to and from `pinned_host` memory: the offload path (NVLink-C2C on a GH200).
 Each part reports its own error instead of stopping the others (e.g. out of memory).
-Without a GPU, or with --cpu-smoke, the same code runs at a tiny size so that it cannot
-rot; those numbers say nothing about any GPU. The table comes last; JSON is written too.
-FLOPs follow flops.py: forward+backward = 3 × forward, causal attention counts S(S+1)/2
-query-key pairs.
+
+Before any of that, where no GPU is present, every function above is compiled for one
+(gpu_target.py: deviceless, the `gpu` extra; `--aot-target`, default gh200, also on a GPU;
+`--aot-only` times nothing) at the shapes the GPU run uses: per function whether it
+compiles, its HBM and host bytes (`memory_analysis()`, against the target's HBM share) and
+the kernels it calls, so that a broken or oversized check is found before a GPU is lent.
+The timed and the compiled functions are the same `Program`s. Deviceless there is no
+`cost_analysis()`: compiling says nothing about speed. At full size it all compiles in
+about 40 s and 1.3 GB on 2 CPU cores: nothing is shrunk for it. tokamax's Mosaic GPU
+kernel does not lower below 64-wide matrices ("WGMMA rhs swizzle must match lhs
+swizzle"), so at the smoke size the layer's grouped matmul is tokamax's Triton kernel.
+On a GPU, XLA gets the HBM share and GEMM options of launch/env.sh, as the compile assumes.
+
+Without a GPU, or with --cpu-smoke, the timed part runs at a tiny size so that it cannot
+rot; those numbers say nothing about any GPU. The compile runs at the GPU run's shapes
+unless --cpu-smoke or --tokens. The compile's table comes first, the timing's last;
+JSON is written too (the compile under "aot"). FLOPs follow flops.py: forward+backward
+= 3 × forward, causal attention counts S(S+1)/2 query-key pairs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import glob
 import json
 import os
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_programs
+from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_reference,  # noqa: E402
+                          builders, check_config, inputs, layer_flops, one_device_mesh)
 
 # Dense bf16 peaks by device kind (hardware.py cites the Hopper figure).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
-SMOKE_MODEL = dict(d_model=64, n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                   qk_rope_head_dim=8, v_head_dim=16, dense_ffn_dim=128, n_routed_experts=8,
-                   expert_ffn_dim=32, top_k=4, n_group=4, topk_group=2,
-                   attention_block_size=64, vocab_size=512, vocab_pad_multiple=128)
-LOCAL_EXPERTS = 96  # europa-952b's 384 experts over the 4 GPUs of a node
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -54,58 +67,30 @@ def timed(fn, *args, repeats: int) -> float:
     return best
 
 
+def one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 def section(results: dict, name: str, fn) -> None:
     """Run one check; an exception (OOM, missing kernel) is recorded, not fatal."""
     try:
         results[name] = fn()
     except Exception as e:  # noqa: BLE001 - the report must survive any one failure
-        results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        results[name] = {"error": one_line(e)}
 
 
-def layer_config(smoke: bool):
-    """europa-952b's ModelConfig as one MoE layer on one GPU of an expert-parallel node."""
-    from europa_jax.config_loader import load_config
-
-    cfg = load_config(os.path.join(REPO, "configs", "europa-952b.yaml"))
-    model = dict(n_routed_experts=LOCAL_EXPERTS, param_dtype="bfloat16")
-    if smoke:
-        model.update(SMOKE_MODEL)
-    return dataclasses.replace(cfg.model, n_layers=1, n_dense_layers=0, **model)
+# ----------------------------------------------------------------------------- timing
 
 
-def layer_flops(model, tokens: int) -> float:
-    """Forward+backward FLOPs of one MoE layer on one causal document of `tokens`."""
-    from europa_jax import flops
-
-    pairs = tokens * (tokens + 1) // 2
-    head = 6.0 * model.d_model * model.vocab_size * tokens  # train_flops counts the LM head
-    return flops.train_flops(model, tokens, pairs) - head
-
-
-def check_layer(model, tokens: int, peak: float | None, repeats: int) -> dict:
+def check_layer(programs, model, tokens: int, peak: float | None, mesh, repeats: int) -> dict:
     import jax
-    import jax.numpy as jnp
 
-    from europa_jax.model.layers import rope_tables
-    from europa_jax.model.transformer import DecoderBlock
-
-    block = DecoderBlock(model, is_moe=True)
-    positions_BS = jnp.arange(tokens, dtype=jnp.int32)[None]
-    segments_BS = jnp.ones((1, tokens), jnp.int32)
-    cos_BSP2, sin_BSP2 = rope_tables(positions_BS, model)
-    bias_E = jnp.zeros((model.n_routed_experts,), jnp.float32)
-    x_BSD = jax.random.normal(jax.random.key(0), (1, tokens, model.d_model), jnp.bfloat16)
-    params = jax.jit(block.init)(jax.random.key(1), x_BSD, segments_BS, cos_BSP2, sin_BSP2,
-                                 bias_E)
-
-    def loss(params, x_BSD):
-        y_BSD, _ = block.apply(params, x_BSD, segments_BS, cos_BSP2, sin_BSP2, bias_E)
-        return y_BSD.astype(jnp.float32).sum()
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    seconds = timed(step, params, x_BSD, repeats=repeats)
+    program = programs["fwd+bwd"]
+    args = inputs(program, mesh)
+    compiled = program.fn.lower(*args).compile()  # timed as compiled: one compile, not two
+    seconds = timed(compiled, *args, repeats=repeats)
     stats = jax.devices()[0].memory_stats() or {}
-    memory = step.lower(params, x_BSD).compile().memory_analysis()
+    memory = compiled.memory_analysis()
     work = layer_flops(model, tokens)
     return {"tokens": tokens, "local_experts": model.n_routed_experts,
             "routed_rows": tokens * model.top_k, "seconds": seconds, "flops": work,
@@ -115,86 +100,165 @@ def check_layer(model, tokens: int, peak: float | None, repeats: int) -> dict:
             + memory.temp_size_in_bytes}
 
 
-def check_grouped_matmul(model, tokens: int, repeats: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
+def check_grouped_matmul(programs, model, tokens: int, mesh, repeats: int) -> dict:
     e, d, f = model.n_routed_experts, model.d_model, model.expert_ffn_dim
     rows = tokens * model.top_k
-    sizes_E = jnp.full((e,), rows // e, jnp.int32).at[-1].add(rows % e)  # even routing
-    x_MD = jax.random.normal(jax.random.key(0), (rows, d), jnp.bfloat16)
-    w_EDF = jax.random.normal(jax.random.key(1), (e, d, f), jnp.bfloat16)
     work = 2.0 * rows * d * f
-    kernels = {"dense_matmul": (jax.jit(lambda x, w: x @ w[0]), (x_MD, w_EDF)),
-               "lax.ragged_dot": (jax.jit(jax.lax.ragged_dot), (x_MD, w_EDF, sizes_E))}
-    try:
-        import tokamax
-
-        kernels["tokamax.ragged_dot"] = (jax.jit(tokamax.ragged_dot), (x_MD, w_EDF, sizes_E))
-    except ImportError:
-        pass
     out = {"rows": rows, "experts": e, "shape": [rows, d, f], "flops": work}
-    for name, (fn, args) in kernels.items():
-        section(out, name, lambda: {"tflops": work / timed(fn, *args, repeats=repeats) / 1e12})
+    for name, program in programs.items():
+        section(out, name, lambda: {"tflops": work / timed(
+            program.fn, *inputs(program, mesh), repeats=repeats) / 1e12})
     dense = out["dense_matmul"].get("tflops")
-    for name in kernels:
+    for name in programs:
         if name != "dense_matmul" and dense and "tflops" in out[name]:
             out[name]["vs_dense"] = out[name]["tflops"] / dense
     return out
 
 
-def check_attention(model, tokens: int, gpu: bool, repeats: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from europa_jax.model.attention import blockwise_attention
-
+def check_attention(programs, model, tokens: int, mesh, repeats: int) -> dict:
     h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
-    keys = jax.random.split(jax.random.key(0), 3)
-    q_BSHK, k_BSHK = (jax.random.normal(key, (1, tokens, h, qk), jnp.bfloat16)
-                      for key in keys[:2])
-    v_BSHO = jax.random.normal(keys[2], (1, tokens, h, vd), jnp.bfloat16)
-    segments = jnp.ones((1, tokens), jnp.int32)
     pairs = tokens * (tokens + 1) // 2
-
-    def fwd_bwd(attend):
-        return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
-                                argnums=(0, 1, 2)))
-
-    ours = fwd_bwd(lambda q, k, v: blockwise_attention(
-        q, k, v, segments, block_size=model.attention_block_size, scale=qk ** -0.5))
-    # cuDNN wants one head width for q, k and v: pad v (its FLOPs counted as padded)
-    v_padded_BSHK = jnp.pad(v_BSHO, ((0, 0), (0, 0), (0, 0), (0, qk - vd)))
-    reference_name = "cudnn" if gpu else "xla (reference)"
-    reference = fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn" if gpu else "xla"))
+    reference_name = attention_reference(mesh)
+    work = {"blockwise (model)": 6.0 * h * (qk + vd) * pairs,
+            reference_name: 6.0 * h * 2 * qk * pairs}  # v padded to qk
     out = {"tokens": tokens, "heads": h}
-    section(out, "blockwise (model)", lambda: {"tflops": 6.0 * h * (qk + vd) * pairs / timed(
-        ours, q_BSHK, k_BSHK, v_BSHO, repeats=repeats) / 1e12})
-    section(out, reference_name, lambda: {"tflops": 6.0 * h * 2 * qk * pairs / timed(
-        reference, q_BSHK, k_BSHK, v_padded_BSHK, repeats=repeats) / 1e12})
+    for name, program in programs.items():
+        section(out, name, lambda: {"tflops": work[name] / timed(
+            program.fn, *inputs(program, mesh), repeats=repeats) / 1e12})
     ref = out[reference_name].get("tflops")
     if ref and "tflops" in out["blockwise (model)"]:
         out["blockwise (model)"]["vs_reference"] = out["blockwise (model)"]["tflops"] / ref
     return out
 
 
-def check_offload(n_bytes: int, repeats: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
-
-    device = jax.devices()[0]
-    x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
-    to_host = SingleDeviceSharding(device, memory_kind="pinned_host")
-    to_device = SingleDeviceSharding(device, memory_kind="device")
-    on_host = jax.device_put(x, to_host)
-    out = {"bytes": n_bytes, "memory_kind": on_host.sharding.memory_kind}
-    out["device_to_host_gbps"] = n_bytes / timed(lambda a: jax.device_put(a, to_host), x,
-                                                 repeats=repeats) / 1e9
-    out["host_to_device_gbps"] = n_bytes / timed(lambda a: jax.device_put(a, to_device),
-                                                 on_host, repeats=repeats) / 1e9
+def check_offload(programs, n_bytes: int, mesh, repeats: int) -> dict:
+    to_host, to_device = programs["device_to_host"], programs["host_to_device"]
+    x = inputs(to_host, mesh)
+    on_host = inputs(to_device, mesh)
+    out = {"bytes": n_bytes, "memory_kind": to_host.fn(*x).sharding.memory_kind}
+    out["device_to_host_gbps"] = n_bytes / timed(to_host.fn, *x, repeats=repeats) / 1e9
+    out["host_to_device_gbps"] = n_bytes / timed(to_device.fn, *on_host, repeats=repeats) / 1e9
     return out
+
+
+# ----------------------------------------------------------------------------- GPU compile
+
+
+@contextlib.contextmanager
+def cudnn_checks_for(device):
+    """jax's cuDNN attention checks the head width (≤ 256 from Hopper on, else ≤ 128: MLA's
+    192) against the running GPU backend's compute capability — none runs here, so it
+    would refuse: answer for `device`, the compile target, while tracing."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError:
+        yield
+        return
+    saved = cudnn.check_compute_capability
+    have = tuple(int(x) for x in device.compute_capability.split("."))
+    cudnn.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        cudnn.check_compute_capability = saved
+
+
+def compile_for_target(program: Program, mesh, cfg) -> dict:
+    """Compile `program` for the mesh's compile-only GPU at its inputs' shapes."""
+    import jax
+
+    from europa_jax import gpu_target, plan_gpu
+
+    start = time.perf_counter()
+    specs = tuple(jax.tree.map(lambda s, i=i: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=arg_sharding(program, mesh, i)), a)
+        for i, a in enumerate(jax.eval_shape(program.make_args)))
+    # tokamax picks its GPU kernels from the default device
+    with gpu_target.lowering(mesh), cudnn_checks_for(mesh.devices.flat[0]):
+        lowered = program.fn.trace(*specs).lower()
+    compiled = gpu_target.compile_lowered(lowered, mesh)
+    mem = compiled.memory_analysis()
+    memory = {f: getattr(mem, f"{f}_size_in_bytes") for f in plan_gpu.MEMORY_FIELDS}
+    facts = plan_gpu.program_facts(compiled.as_text(), cfg)
+    return {"compiled": True, "seconds": time.perf_counter() - start,
+            "hbm_bytes": memory["argument"] + memory["output"] + memory["temp"]
+            - memory["alias"],
+            "host_bytes": memory["host_argument"] + memory["host_output"]
+            + memory["host_temp"] - memory["host_alias"],
+            "memory": memory, "kernels": facts["custom_calls"],
+            "host_copies": facts["host_copies"],
+            "dense_expert_buffers": [f"{b['dtype']}{b['shape']}"
+                                     for b in facts["dense_expert_buffers"]]}
+
+
+def compile_checks(cfg, tokens: int, smoke: bool, target_name: str) -> dict:
+    """Every check's programs compiled for one GPU of `target_name`."""
+    from europa_jax import gpu_target
+
+    missing = gpu_target.missing_toolchain()
+    if missing:
+        return {"target": target_name, "skipped": f"the gpu extra is missing: "
+                f"{', '.join(missing)} (pip install -e '.[gpu]')"}
+    start = time.perf_counter()
+    target = gpu_target.TARGETS[target_name]
+    out = {"target": target_name, "device": target.name, "tokens": tokens, "smoke": smoke,
+           "hbm_budget_bytes": target.hbm_budget_bytes, "checks": {}}
+    try:
+        mesh = one_device_mesh(gpu_target.topology(target, 1)[0])
+    except Exception as e:  # noqa: BLE001 - e.g. jax started the CUDA backend without a GPU
+        return {**out, "error": one_line(e)}
+    for check, build in builders(cfg, tokens, smoke).items():
+        try:
+            programs = build(mesh)
+        except Exception as e:  # noqa: BLE001 - e.g. tokamax missing for the layer
+            out["checks"][check] = {"error": one_line(e)}
+            continue
+        compiled = out["checks"][check] = {}
+        for name, program in programs.items():
+            section(compiled, name, lambda: compile_for_target(program, mesh, cfg))
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def errors_of(results: dict, prefix: str = "") -> list[str]:
+    """'path: error' for every part that failed, however deep."""
+    out = []
+    for name, part in results.items():
+        if isinstance(part, dict):
+            if "error" in part:
+                out.append(f"{prefix}{name}: {part['error']}")
+            else:
+                out += errors_of(part, f"{prefix}{name}/")
+    return out
+
+
+def aot_table(aot: dict) -> str:
+    """Per compiled function: HBM and host bytes, compile time and the kernels it calls."""
+    if "skipped" in aot or "error" in aot:
+        return f"GPU-target compile ({aot['target']}): {aot.get('skipped') or aot['error']}"
+    budget = aot["hbm_budget_bytes"]
+    head = (f"GPU-target compile for {aot['device']} ({budget / 1e9:.1f} GB HBM for XLA), "
+            f"{aot['tokens']:,} tokens")
+    rows = [("function", "HBM GB", "host GB", "compile s", "kernels")]
+    for check, programs in aot["checks"].items():
+        for name, r in programs.items():
+            if "compiled" not in r:
+                continue
+            fits = "" if r["hbm_bytes"] <= budget else " (over)"
+            kernels = ", ".join(f"{k} ×{n}" for k, n in sorted(r["kernels"].items()))
+            if r["host_copies"]:
+                kernels = ", ".join(filter(None, [kernels, f"host copies ×{r['host_copies']}"]))
+            if r["dense_expert_buffers"]:  # the slow grouped matmul's [E, M, ·] expansion
+                kernels += f"; dense expert buffer {r['dense_expert_buffers'][0]}"
+            rows.append((f"{check}/{name}", f"{r['hbm_bytes'] / 1e9:.3g}{fits}",
+                         f"{r['host_bytes'] / 1e9:.3g}", f"{r['seconds']:.1f}", kernels or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  "
+             f"{r[3]:>{widths[3]}}  {r[4]}" for r in rows]
+    return "\n".join([head, *lines, *errors_of(aot["checks"])])
 
 
 def table(results: dict) -> str:
@@ -225,44 +289,103 @@ def table(results: dict) -> str:
               f"{get(at, 'blockwise (model)', 'vs_reference', fmt='{:.2f}')} × reference"),
              ("device→pinned_host GB/s", get("offload", "device_to_host_gbps"), ""),
              ("pinned_host→device GB/s", get("offload", "host_to_device_gbps"), "")]
-    errors = [f"{name}: {part['error']}" for name, part in results.items()
-              if isinstance(part, dict) and "error" in part]
-    errors += [f"{name}/{sub}: {v['error']}" for name, part in results.items()
-               if isinstance(part, dict) for sub, v in part.items()
-               if isinstance(v, dict) and "error" in v]
+    errors = errors_of({k: v for k, v in results.items() if k != "aot"})
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"{name:<{width}}  {value:>10}  {note}" for name, value, note in rows]
                      + errors)
 
 
+def gpu_driver_present() -> bool:
+    """An NVIDIA GPU and its driver (Linux), seen without starting CUDA."""
+    return bool(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
+def run_as_a_rank() -> None:
+    """Before the GPU backend starts: XLA's share of HBM and compiler options as
+    launch/env.sh gives a rank and the GPU compile assumes (a variable already set wins):
+    the compiled program is the timed one, and its HBM is checked against that share.
+    jax's own share, 0.75, leaves an H100 64 GB, about what the layer needs."""
+    from europa_jax import gpu_target
+
+    if not os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):  # jax refuses both names
+        os.environ.setdefault("XLA_CLIENT_MEM_FRACTION",
+                              str(gpu_target.TARGETS["gh200"].mem_fraction))
+    flags = os.environ.get("XLA_FLAGS", "")
+    ours = [f"--{k}={str(v).lower()}" for k, v in gpu_target.COMPILER_OPTIONS.items()
+            if f"--{k}=" not in flags]
+    os.environ["XLA_FLAGS"] = " ".join([*ours, flags]).strip()
+
+
 def main() -> None:
+    from europa_jax import gpu_target
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="gpu_check.json", help="where the results go")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on whatever backend there is (automatic without a GPU)")
     parser.add_argument("--tokens", type=int, help="tokens per GPU (default: 65,536; 256 smoke)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--aot-target", choices=sorted(gpu_target.TARGETS),
+                        help="compile every check for this GPU first (default without a GPU: "
+                        "gh200, when the gpu extra is installed)")
+    parser.add_argument("--aot-only", action="store_true",
+                        help="only compile for the GPU target; time nothing")
     args = parser.parse_args()
+
+    def config(smoke: bool, tokens: int):
+        from europa_jax.config import ConfigError
+
+        try:
+            return check_config(smoke, tokens)
+        except ConfigError as e:  # e.g. tokens that the attention blocks do not divide
+            parser.error(f"--tokens {tokens}: {e}")
 
     import jax
 
+    gpu_here = gpu_driver_present()
+    if args.aot_only or not (gpu_here or os.environ.get("JAX_PLATFORMS")):
+        # the CUDA plugin's start-up check fails without a GPU, and then it cannot compile
+        # for one either: jax starts on CPU alone, the GPU is only a compile target
+        gpu_target.prepare_process()
+        jax.config.update("jax_platforms", "cpu")
+    elif gpu_here:
+        run_as_a_rank()
     gpu = jax.default_backend() == "gpu"
+    results = {}
+
+    def write():
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+    if args.aot_only or args.aot_target or not gpu:
+        aot_tokens = args.tokens or (256 if args.cpu_smoke else 65536)
+        results["aot"] = compile_checks(config(args.cpu_smoke, aot_tokens), aot_tokens,
+                                        args.cpu_smoke, args.aot_target or "gh200")
+        write()
+        print(aot_table(results["aot"]), flush=True)
+        if args.aot_only:
+            return
+
     smoke = args.cpu_smoke or not gpu
     tokens = args.tokens or (256 if smoke else 65536)
     device = jax.devices()[0]
+    mesh = one_device_mesh(device)
     peak = next((v for k, v in PEAK_BF16.items() if k in device.device_kind), None)
-    results = {"device": device.device_kind, "backend": jax.default_backend(), "smoke": smoke,
-               "peak_bf16_tflops": peak / 1e12 if peak else None}
-    model = layer_config(smoke)
+    results.update({"device": device.device_kind, "backend": jax.default_backend(),
+                    "smoke": smoke, "peak_bf16_tflops": peak / 1e12 if peak else None})
+    cfg = config(smoke, tokens)
+    model, build = cfg.model, builders(cfg, tokens, smoke)
     start = time.perf_counter()
-    section(results, "layer", lambda: check_layer(model, tokens, peak, args.repeats))
-    section(results, "grouped_matmul", lambda: check_grouped_matmul(model, tokens, args.repeats))
-    section(results, "attention", lambda: check_attention(model, tokens, gpu, args.repeats))
-    section(results, "offload", lambda: check_offload(2**30 if not smoke else 2**24,
-                                                      args.repeats))
+    section(results, "layer", lambda: check_layer(build["layer"](mesh), model, tokens, peak,
+                                                  mesh, args.repeats))
+    section(results, "grouped_matmul", lambda: check_grouped_matmul(
+        build["grouped_matmul"](mesh), model, tokens, mesh, args.repeats))
+    section(results, "attention", lambda: check_attention(build["attention"](mesh), model,
+                                                          tokens, mesh, args.repeats))
+    section(results, "offload", lambda: check_offload(build["offload"](mesh),
+                                                      OFFLOAD_BYTES[smoke], mesh, args.repeats))
     results["seconds"] = time.perf_counter() - start
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
+    write()
     if smoke:
         print("smoke run at tiny shapes: checks that the script works, measures nothing")
     print(table(results))
