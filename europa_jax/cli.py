@@ -140,6 +140,11 @@ def _use_cpu_devices(n: int, platform: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # XLA's C++ INFO lines stay out of stderr (warnings and errors still show): with the CUDA
+    # plugin installed on a machine without a GPU driver (the `gpu` extra, used to compile
+    # for GPUs), every jax start would print "Could not find cuda drivers" six times,
+    # burying the one-line errors this command promises.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     args = _parser().parse_args(argv)
     try:
         if args.command == "prepare":
