@@ -11,8 +11,9 @@ this GPU's experts under even routing:
    bf16 peak, and peak HBM;
 2. the grouped matmul alone (`jax.lax.ragged_dot`, and `tokamax.ragged_dot` if installed)
    against one dense matmul of the same shape and FLOPs: well below 1 means a slow path;
-3. attention alone, forward+backward: the model's blockwise kernel against cuDNN flash
-   attention (causal, one document; v padded to the qk width cuDNN needs);
+3. attention alone, forward+backward, one causal document, q/k 192 and v 128 wide: the
+   model's kernel (tokamax's Mosaic GPU flash attention) against the pure-JAX blockwise
+   kernel the CPU runs;
 4. copies to and from `pinned_host` memory: the offload path (NVLink-C2C on a GH200).
 Each part reports its own error instead of stopping the others (e.g. out of memory).
 
@@ -38,7 +39,6 @@ JSON is written too (the compile under "aot"). FLOPs follow flops.py: forward+ba
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -47,8 +47,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_programs
-from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_reference,  # noqa: E402
-                          builders, check_config, inputs, layer_flops, one_device_mesh)
+from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_kernel,  # noqa: E402
+                          attention_reference, builders, check_config, inputs, layer_flops,
+                          one_device_mesh)
 
 # Dense bf16 peaks by device kind (hardware.py cites the Hopper figure).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
@@ -115,19 +116,18 @@ def check_grouped_matmul(programs, model, tokens: int, mesh, repeats: int) -> di
     return out
 
 
-def check_attention(programs, model, tokens: int, mesh, repeats: int) -> dict:
+def check_attention(programs, model, tokens: int, mesh, repeats: int, smoke: bool) -> dict:
     h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
-    pairs = tokens * (tokens + 1) // 2
-    reference_name = attention_reference(mesh)
-    work = {"blockwise (model)": 6.0 * h * (qk + vd) * pairs,
-            reference_name: 6.0 * h * 2 * qk * pairs}  # v padded to qk
-    out = {"tokens": tokens, "heads": h}
+    work = 6.0 * h * (qk + vd) * tokens * (tokens + 1) // 2  # causal pairs (flops.py)
+    out = {"tokens": tokens, "heads": h, "flops": work,
+           "kernels": {"model": attention_kernel(model, mesh, smoke),
+                       "reference": attention_reference(mesh)}}
     for name, program in programs.items():
-        section(out, name, lambda: {"tflops": work[name] / timed(
+        section(out, name, lambda: {"tflops": work / timed(
             program.fn, *inputs(program, mesh), repeats=repeats) / 1e12})
-    ref = out[reference_name].get("tflops")
-    if ref and "tflops" in out["blockwise (model)"]:
-        out["blockwise (model)"]["vs_reference"] = out["blockwise (model)"]["tflops"] / ref
+    ref = out["reference"].get("tflops")
+    if ref and "tflops" in out["model"]:
+        out["model"]["vs_reference"] = out["model"]["tflops"] / ref
     return out
 
 
@@ -144,25 +144,6 @@ def check_offload(programs, n_bytes: int, mesh, repeats: int) -> dict:
 # ----------------------------------------------------------------------------- GPU compile
 
 
-@contextlib.contextmanager
-def cudnn_checks_for(device):
-    """jax's cuDNN attention checks the head width (≤ 256 from Hopper on, else ≤ 128: MLA's
-    192) against the running GPU backend's compute capability — none runs here, so it
-    would refuse: answer for `device`, the compile target, while tracing."""
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn
-    except ImportError:
-        yield
-        return
-    saved = cudnn.check_compute_capability
-    have = tuple(int(x) for x in device.compute_capability.split("."))
-    cudnn.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
-    try:
-        yield
-    finally:
-        cudnn.check_compute_capability = saved
-
-
 def compile_for_target(program: Program, mesh, cfg) -> dict:
     """Compile `program` for the mesh's compile-only GPU at its inputs' shapes."""
     import jax
@@ -174,7 +155,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
         s.shape, s.dtype, sharding=arg_sharding(program, mesh, i)), a)
         for i, a in enumerate(jax.eval_shape(program.make_args)))
     # tokamax picks its GPU kernels from the default device
-    with gpu_target.lowering(mesh), cudnn_checks_for(mesh.devices.flat[0]):
+    with gpu_target.lowering(mesh):
         lowered = program.fn.trace(*specs).lower()
     compiled = gpu_target.compile_lowered(lowered, mesh)
     mem = compiled.memory_analysis()
@@ -285,8 +266,10 @@ def table(results: dict) -> str:
         if name in results.get(gm, {}):
             rows.append((f"{name} TFLOP/s", get(gm, name, "tflops"),
                          f"{get(gm, name, 'vs_dense', fmt='{:.2f}')} × dense"))
-    rows += [("attention (model) TFLOP/s", get(at, "blockwise (model)", "tflops"),
-              f"{get(at, 'blockwise (model)', 'vs_reference', fmt='{:.2f}')} × reference"),
+    kernels = results.get(at, {}).get("kernels", {})
+    rows += [(f"attention ({kernels.get('model', 'model')}) TFLOP/s", get(at, "model", "tflops"),
+              f"{get(at, 'model', 'vs_reference', fmt='{:.2f}')} × "
+              f"{kernels.get('reference', 'reference')}"),
              ("device→pinned_host GB/s", get("offload", "device_to_host_gbps"), ""),
              ("pinned_host→device GB/s", get("offload", "host_to_device_gbps"), "")]
     errors = errors_of({k: v for k, v in results.items() if k != "aot"})
@@ -340,16 +323,21 @@ def main() -> None:
         except ConfigError as e:  # e.g. tokens that the attention blocks do not divide
             parser.error(f"--tokens {tokens}: {e}")
 
-    import jax
+    from europa_jax import jax_start
 
     gpu_here = gpu_driver_present()
-    if args.aot_only or not (gpu_here or os.environ.get("JAX_PLATFORMS")):
+    cpu_only = args.aot_only or not (gpu_here or os.environ.get("JAX_PLATFORMS"))
+    if cpu_only:
         # the CUDA plugin's start-up check fails without a GPU, and then it cannot compile
         # for one either: jax starts on CPU alone, the GPU is only a compile target
         gpu_target.prepare_process()
-        jax.config.update("jax_platforms", "cpu")
     elif gpu_here:
         run_as_a_rank()
+    jax_start.import_quietly()
+    import jax
+
+    if cpu_only:
+        jax.config.update("jax_platforms", "cpu")
     gpu = jax.default_backend() == "gpu"
     results = {}
 
@@ -381,7 +369,7 @@ def main() -> None:
     section(results, "grouped_matmul", lambda: check_grouped_matmul(
         build["grouped_matmul"](mesh), model, tokens, mesh, args.repeats))
     section(results, "attention", lambda: check_attention(build["attention"](mesh), model,
-                                                          tokens, mesh, args.repeats))
+                                                          tokens, mesh, args.repeats, smoke))
     section(results, "offload", lambda: check_offload(build["offload"](mesh),
                                                       OFFLOAD_BYTES[smoke], mesh, args.repeats))
     results["seconds"] = time.perf_counter() - start

@@ -92,15 +92,17 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     import jax.numpy as jnp
 
     from europa_jax import sharding
-    from europa_jax.model import moe
+    from europa_jax.model import kernels
     from europa_jax.model.layers import rope_tables
     from europa_jax.model.transformer import DecoderBlock
 
     # the grouped matmul the mesh's platform gets ("auto": blocked on CPU, tokamax on GPU)
-    impl = moe.grouped_matmul_impl(model, sharding.mesh_platform(mesh))
+    impl = kernels.grouped_matmul_impl(model, sharding.mesh_platform(mesh))
     if smoke and impl == "tokamax":  # Mosaic GPU does not lower the smoke widths
         impl = "tokamax_triton"
-    block = DecoderBlock(dataclasses.replace(model, grouped_matmul=impl), is_moe=True)
+    block = DecoderBlock(dataclasses.replace(model, grouped_matmul=impl,
+                                             attention=attention_kernel(model, mesh, smoke)),
+                         is_moe=True)
 
     def layer_inputs():  # made inside the jitted functions: no eager op on the target
         positions_BS = jnp.arange(tokens, dtype=jnp.int32)[None]
@@ -109,7 +111,10 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
 
     def make_args():
         x_BSD = jax.random.normal(jax.random.key(0), (1, tokens, model.d_model), jnp.bfloat16)
-        return jax.jit(lambda x: block.init(jax.random.key(1), x, *layer_inputs()))(x_BSD), x_BSD
+        # the same parameters whatever the kernels; init traces on this machine's backend
+        init_block = DecoderBlock(dataclasses.replace(model, attention="blockwise"), is_moe=True)
+        return jax.jit(lambda x: init_block.init(jax.random.key(1), x, *layer_inputs()))(
+            x_BSD), x_BSD
 
     def loss(params, x_BSD):
         y_BSD, _ = block.apply(params, x_BSD, *layer_inputs())
@@ -122,7 +127,7 @@ def grouped_matmul_programs(model, tokens: int) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model import moe
+    from europa_jax.model import kernels
 
     e, d, f = model.n_routed_experts, model.d_model, model.expert_ffn_dim
     rows = tokens * model.top_k
@@ -133,48 +138,68 @@ def grouped_matmul_programs(model, tokens: int) -> dict[str, Program]:
                 jax.random.normal(jax.random.key(1), (e, d, f), jnp.bfloat16), sizes_E)
 
     fns = {"dense_matmul": lambda x, w, sizes: x @ w[0], "lax.ragged_dot": jax.lax.ragged_dot}
-    if moe.tokamax_available():
-        fns["tokamax.ragged_dot"] = moe._import_tokamax().ragged_dot  # quiet absl logging
+    if kernels.tokamax_available():
+        fns["tokamax.ragged_dot"] = kernels.import_tokamax().ragged_dot  # quiet absl logging
     return {name: Program(jax.jit(fn), make_args) for name, fn in fns.items()}
 
 
+def attention_kernel(model, mesh, smoke: bool) -> str:
+    """The attention kernel the model uses on the mesh's platform (kernels.py: blockwise on
+    CPU, tokamax's Mosaic GPU flash attention on GPU; Triton at the smoke widths, below
+    what the Mosaic kernel tiles)."""
+    from europa_jax import sharding
+    from europa_jax.model import kernels
+
+    impl = kernels.attention_impl(model, sharding.mesh_platform(mesh))
+    return "tokamax_triton" if smoke and impl == "tokamax" else impl
+
+
 def attention_reference(mesh) -> str:
+    """What the model's attention is held against: on GPU the pure-JAX blockwise kernel
+    (the CPU path: how much the library kernel buys); elsewhere XLA's plain attention.
+    (cuDNN through jax.nn cannot be the reference: in jax 0.10.2 it wants one head width
+    for q, k and v and has no document mask.)"""
     from europa_jax import sharding
 
-    return "cudnn" if sharding.mesh_platform(mesh) == "gpu" else "xla (reference)"
+    return "blockwise" if sharding.mesh_platform(mesh) == "gpu" else "xla"
 
 
-def attention_programs(model, tokens: int, mesh) -> dict[str, Program]:
+def attention_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+    """"model" (the kernel the model runs here) and "reference", forward+backward, on
+    one document of `tokens`, q/k 192 wide and v 128 as MLA's."""
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model.attention import blockwise_attention
+    from europa_jax.model.attention import attention_mask, blockwise_attention, library_attention
 
     h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
+    scale = qk ** -0.5
 
-    def make_args(v_width):
+    def make_args():
         keys = jax.random.split(jax.random.key(0), 3)
-        q_BSHK, k_BSHK = (jax.random.normal(key, (1, tokens, h, qk), jnp.bfloat16)
-                          for key in keys[:2])
-        v_BSHO = jax.random.normal(keys[2], (1, tokens, h, vd), jnp.bfloat16)
-        return q_BSHK, k_BSHK, jnp.pad(v_BSHO, ((0, 0), (0, 0), (0, 0), (0, v_width - vd)))
+        return (jax.random.normal(keys[0], (1, tokens, h, qk), jnp.bfloat16),
+                jax.random.normal(keys[1], (1, tokens, h, qk), jnp.bfloat16),
+                jax.random.normal(keys[2], (1, tokens, h, vd), jnp.bfloat16))
 
-    def fwd_bwd(attend):
+    def with_kernel(impl):
+        def attend(q, k, v):
+            segments = jnp.ones((1, tokens), jnp.int32)
+            if impl == "blockwise":
+                return blockwise_attention(q, k, v, segments, scale=scale,
+                                           block_size=model.attention_block_size)
+            if impl == "xla":  # the dense [S, S] reference: only at the smoke size
+                mask = attention_mask(jnp.arange(tokens), jnp.arange(tokens), segments,
+                                      segments)
+                scores = jnp.einsum("bshk,bthk->bhst", q, k).astype(jnp.float32) * scale
+                probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+                return jnp.einsum("bhst,bthv->bshv", probs.astype(v.dtype), v)
+            return library_attention(q, k, v, segments, scale=scale, impl=impl)
+
         return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
                                 argnums=(0, 1, 2)))
 
-    def ours(q, k, v):
-        segments = jnp.ones((1, tokens), jnp.int32)
-        return blockwise_attention(q, k, v, segments, block_size=model.attention_block_size,
-                                   scale=qk ** -0.5)
-
-    reference = attention_reference(mesh)
-    # cuDNN wants one head width for q, k and v: pad v (its FLOPs counted as padded)
-    return {"blockwise (model)": Program(fwd_bwd(ours), lambda: make_args(vd)),
-            reference: Program(fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True,
-                implementation="cudnn" if reference == "cudnn" else "xla")),
-                lambda: make_args(qk))}
+    return {"model": Program(with_kernel(attention_kernel(model, mesh, smoke)), make_args),
+            "reference": Program(with_kernel(attention_reference(mesh)), make_args)}
 
 
 def offload_programs(n_bytes: int, mesh) -> dict[str, Program]:
@@ -202,5 +227,5 @@ def builders(cfg, tokens: int, smoke: bool) -> dict[str, Callable]:
     model = cfg.model
     return {"layer": lambda mesh: layer_programs(model, tokens, mesh, smoke),
             "grouped_matmul": lambda mesh: grouped_matmul_programs(model, tokens),
-            "attention": lambda mesh: attention_programs(model, tokens, mesh),
+            "attention": lambda mesh: attention_programs(model, tokens, mesh, smoke),
             "offload": lambda mesh: offload_programs(OFFLOAD_BYTES[smoke], mesh)}

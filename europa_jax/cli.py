@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from europa_jax import exit_codes
+from europa_jax import exit_codes, jax_start
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.corpus import DataError
@@ -111,18 +111,20 @@ def _plan(args: argparse.Namespace, cfg) -> int:
         if len(probes) != 2 or min(probes) < 1 or probes[0] == probes[1]:
             raise ConfigError(f"--probe-moe-layers {args.probe_moe_layers!r}: expected two "
                               "different positive layer counts, e.g. 4,6")
+    if args.target != "cpu" and probes:
+        raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
+                          "compiles the whole depth in about a minute)")
+    # a plan never touches a device: CPU is the backend, a GPU only a compilation target
+    # (and with JAX_PLATFORMS=cpu the CUDA plugin skips its driver check)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax_start.import_quietly()
     from europa_jax import gpu_target
 
     if args.target != "cpu":
-        if probes:
-            raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
-                              "compiles the whole depth in about a minute)")
         gpu_target.require_toolchain(args.target)
-        gpu_target.prepare_process()
     from europa_jax import plan, plan_format  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
-    # a plan never touches a device: CPU is the backend, a GPU only a compilation target
     _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
     report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
                        target=args.target)
@@ -140,12 +142,10 @@ def _use_cpu_devices(n: int, platform: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # XLA's C++ INFO lines stay out of stderr (warnings and errors still show): with the CUDA
-    # plugin installed on a machine without a GPU driver (the `gpu` extra, used to compile
-    # for GPUs), every jax start would print "Could not find cuda drivers" six times,
-    # burying the one-line errors this command promises.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     args = _parser().parse_args(argv)
+    if args.command != "plan":  # plan chooses the platform first (_plan)
+        jax_start.default_to_cpu_without_driver()
+        jax_start.import_quietly()
     try:
         if args.command == "prepare":
             return _prepare(args)

@@ -24,10 +24,12 @@ import dataclasses
 import importlib.util
 import os
 import shutil
-
-import jax
+from typing import TYPE_CHECKING
 
 from europa_jax.config import ConfigError, MeshConfig
+
+if TYPE_CHECKING:  # jax is imported where used: the toolchain check must not start it
+    import jax
 
 GPUS_PER_NODE = 4  # JUPITER: 4 GH200 per node; a host of the topology is a node
 
@@ -158,6 +160,8 @@ def mesh(mesh_cfg: MeshConfig, target: GpuTarget) -> jax.sharding.Mesh:
 def lowering(mesh_: jax.sharding.Mesh):
     """Trace and lower under `mesh_`; on a compile-only GPU mesh, with a target device as
     the default device so that kernel libraries pick their GPU kernels."""
+    import jax
+
     from europa_jax import sharding
 
     with contextlib.ExitStack() as stack:

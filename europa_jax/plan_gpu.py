@@ -20,7 +20,7 @@ import jax
 
 from europa_jax import gpu_target, hlo_report, sharding, train
 from europa_jax.config import Config
-from europa_jax.model import moe
+from europa_jax.model import kernels
 from europa_jax.plan_format import size
 from europa_jax.plan_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                      lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -63,18 +63,27 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
 
 def program_facts(text: str, cfg: Config) -> dict:
     """What the kernel checks need from an optimized GPU program's text."""
-    kernels: dict[str, int] = {}
+    calls: dict[str, int] = {}
     for line in text.splitlines():
         if " custom-call(" not in line:
             continue
         op = TOKAMAX_OP.search(line)
         target = re.search(r'custom_call_target="([^"]+)"', line)
         name = op.group(1) if op else (target.group(1) if target else "?")
-        kernels[name] = kernels.get(name, 0) + 1
+        calls[name] = calls.get(name, 0) + 1
     host_copies = sum(1 for line in text.splitlines()
                       if re.search(r"= \S.* copy-start\(", line) and HOST_MEMORY_SPACE in line)
-    return {"custom_calls": kernels, "host_copies": host_copies,
-            "dense_expert_buffers": dense_expert_buffers(text, cfg)}
+    return {"custom_calls": calls, "host_copies": host_copies,
+            "dense_expert_buffers": dense_expert_buffers(text, cfg),
+            "dense_attention_buffers": dense_attention_buffers(text, cfg)}
+
+
+def dense_attention_buffers(text: str, cfg: Config) -> list[dict]:
+    """Buffers of the attention layers ending in [S, S] (a mask or score matrix), which
+    flash attention exists to avoid: 4.3 GB per head at 65,536 tokens in bf16."""
+    s = cfg.data.seq_len
+    return [b for b in hlo_report.largest_buffers(text, None)
+            if b["shape"][-2:] == [s, s] and "/attention/" in b["source"]]
 
 
 def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
@@ -101,7 +110,7 @@ def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_stat
                   exchange_rows: list[dict]) -> list[dict]:
     """Whether each GPU-only path of the step compiled to what it should."""
     calls = facts["custom_calls"]
-    impl = moe.grouped_matmul_impl(cfg.model, "gpu")
+    impl = kernels.grouped_matmul_impl(cfg.model, "gpu")
     library = {k: v for k, v in calls.items() if "RaggedDot" in k}
     dense = facts["dense_expert_buffers"]
     checks = [{
@@ -122,12 +131,15 @@ def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_stat
     })
     attention = {k: v for k, v in calls.items()
                  if "Attention" in k or k.startswith("__cudnn$fmha")}
+    square = facts["dense_attention_buffers"]
     checks.append({
-        "path": "attention", "configured": "blockwise (model/attention.py)",
-        "expected": "a library flash-attention kernel (tokamax or cuDNN)",
-        "found": ", ".join(f"{k} ×{v}" for k, v in attention.items())
-        or "XLA loops of the pure-JAX blockwise kernel",
-        "ok": bool(attention),
+        "path": "attention", "configured": kernels.attention_impl(cfg.model, "gpu"),
+        "expected": "a library flash-attention kernel, no [seq, seq] buffer",
+        "found": (", ".join(f"{k} ×{v}" for k, v in attention.items())
+                  or "XLA loops of the pure-JAX blockwise kernel") + "; "
+        + (", ".join(f"{b['dtype']}{b['shape']}" for b in square[:2])
+           or "no [seq, seq] buffer"),
+        "ok": bool(attention) and not square,
     })
     if host_state or numbers.get("host/activations"):
         host_args = numbers["memory/host_argument"]

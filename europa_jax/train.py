@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from europa_jax import comm, offload, optim, sharding
 from europa_jax.config import Config, ConfigError
-from europa_jax.model.moe import grouped_matmul_impl, updated_router_bias
+from europa_jax.model import kernels
+from europa_jax.model.moe import updated_router_bias
 from europa_jax.model.transformer import Transformer, init_router_bias
 
 Batch = dict[str, jax.Array]
@@ -114,7 +115,8 @@ def spmd_context(cfg: Config, mesh: Mesh) -> comm.SpmdContext:
     if exchange == "ragged" and platform == "cpu":
         raise ConfigError("comm.expert_exchange: 'ragged' needs ragged_all_to_all, which XLA:CPU "
                           "lacks; use 'dense' or 'auto' on CPU")
-    grouped_matmul_impl(cfg.model, platform)  # an impl this platform cannot run: fail now
+    kernels.grouped_matmul_impl(cfg.model, platform)  # a kernel this platform lacks: fail now
+    kernels.attention_impl(cfg.model, platform)
     return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh), platform=platform,
                             weight_gather_dtype=cfg.comm.weight_gather_dtype,
                             grad_reduce_dtype=cfg.comm.grad_reduce_dtype,

@@ -1,11 +1,14 @@
-"""MLA + blockwise attention: equals naive attention, causal, isolates documents."""
+"""MLA attention: the blockwise kernel equals naive attention, is causal and isolates
+documents; the library (tokamax) kernel's call equals the blockwise kernel."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.model.attention import attention_mask, blockwise_attention
+from europa_jax.model import kernels
+from europa_jax.model.attention import (attention_mask, blockwise_attention, document_starts,
+                                        library_attention, pad_sequence)
 
 
 def naive_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale):
@@ -62,3 +65,83 @@ def test_changing_one_document_leaves_the_others_unchanged():
     other = ~doc2
     np.testing.assert_array_equal(np.asarray(out2[0, other]), np.asarray(out[0, other]))
     assert not np.allclose(out2[0, doc2], out[0, doc2])
+
+
+# --------------------------------------------------------------------------- library kernels
+# On GPU the model runs tokamax's flash attention (attention.library_attention); its Mosaic
+# GPU kernel cannot run here, but tokamax's XLA implementation takes the very same call —
+# the same op API, the same per-query document-start mask — and runs on CPU: it checks the
+# mask translation, the head widths and the gradients against the blockwise kernel. The
+# GPU kernel itself is compiled for a GH200 in tests/test_gpu_target.py.
+needs_tokamax = pytest.mark.skipif(not kernels.tokamax_available(),
+                                   reason="tokamax (the gpu extra) is not installed")
+
+
+def test_document_starts_are_each_position_s_first_token_of_its_document():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0],
+                       [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]], jnp.int32)
+    np.testing.assert_array_equal(document_starts(seg), [[0, 0, 0, 3, 3, 5, 5, 5, 5, 9, 9],
+                                                         [0] * 11])
+
+
+@needs_tokamax
+def test_the_document_start_mask_is_the_causal_document_mask():
+    from tokamax._src.ops.attention import base
+
+    _, _, _, seg = random_inputs()
+    s = seg.shape[1]
+    mask = base.Mask(k_start=document_starts(seg)[:, None, :], is_causal=True).as_array(s, s)
+    expected = attention_mask(jnp.arange(s), jnp.arange(s), seg, seg)  # [B, 1, S, S]
+    np.testing.assert_array_equal(np.broadcast_to(mask, expected.shape), expected)
+
+
+@needs_tokamax
+@pytest.mark.parametrize("o", [8, 12])  # v narrower than q/k as in MLA (128 vs 192), or equal
+def test_library_attention_equals_blockwise_values_and_gradients(o):
+    q, k, v, seg = random_inputs(4, o=o)
+    attend = {"library": lambda *a: library_attention(*a, seg, scale=0.3, impl="tokamax_xla"),
+              "blockwise": lambda *a: blockwise_attention(*a, seg, block_size=16, scale=0.3)}
+    np.testing.assert_allclose(attend["library"](q, k, v), attend["blockwise"](q, k, v),
+                               rtol=1e-5, atol=1e-5)
+    grads = {name: jax.grad(lambda *a, f=f: jnp.sum(jnp.sin(f(*a))), (0, 1, 2))(q, k, v)
+             for name, f in attend.items()}
+    for g_lib, g_blk in zip(grads["library"], grads["blockwise"]):
+        np.testing.assert_allclose(g_lib, g_blk, rtol=1e-4, atol=1e-5)
+
+
+@needs_tokamax
+def test_library_attention_in_bf16_stays_within_bf16_tolerance_of_float32():
+    q, k, v, seg = random_inputs(5)
+    ref = blockwise_attention(q, k, v, seg, block_size=16, scale=0.3)
+    low = library_attention(*(t.astype(jnp.bfloat16) for t in (q, k, v)), seg, scale=0.3,
+                            impl="tokamax_xla")
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(low.astype(jnp.float32), ref, rtol=0.05, atol=0.03)
+
+
+@needs_tokamax
+def test_padding_the_sequence_for_the_kernel_tiles_changes_no_real_output():
+    q, k, v, seg = random_inputs(6, s=40)
+    padded = pad_sequence(q, k, v, seg, 128)
+    assert padded[0].shape[1] == 128 and int(padded[3][0, -1]) == -1
+    out = library_attention(*padded, scale=0.3, impl="tokamax_xla")[:, :40]
+    np.testing.assert_allclose(out, naive_attention(q, k, v, seg, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@needs_tokamax
+def test_the_model_s_attention_layer_is_the_same_with_either_kernel(tiny_cfg):
+    import dataclasses
+
+    from europa_jax.model.attention import MLAttention
+    from europa_jax.model.layers import rope_tables
+
+    cfg = tiny_cfg.model
+    b, s = 2, 64
+    x = jax.random.normal(jax.random.key(7), (b, s, cfg.d_model))
+    seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 30 + [3] * 14], b, axis=0), jnp.int32)
+    cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(s), (b, s)), cfg)
+    layers = {impl: MLAttention(dataclasses.replace(cfg, attention=impl))
+              for impl in ("blockwise", "tokamax_xla")}
+    params = layers["blockwise"].init(jax.random.key(0), x, seg, cos, sin)
+    outs = {impl: layer.apply(params, x, seg, cos, sin) for impl, layer in layers.items()}
+    np.testing.assert_allclose(outs["tokamax_xla"], outs["blockwise"], rtol=1e-5, atol=1e-6)

@@ -27,14 +27,16 @@ needs_toolchain = pytest.mark.skipif(bool(MISSING), reason=f"gpu extra missing: 
 
 def gpu_cfg(cfg, **model):
     """The recipe's traffic and offload in bf16, as on GH200, with tiny-cpu's widths (the
-    test-size ones are below what tokamax's Mosaic GPU kernel tiles: K=16 fails to lower)
-    on the test-size sequences."""
+    test-size ones are below what tokamax's Mosaic GPU kernel tiles: K=16 fails to lower)."""
     widths = load_config(config_path("tiny-cpu.yaml")).model
     # 2 dense layers like europa-952b: XLA:GPU keeps the input of a stack of ONE scanned
     # layer in HBM although the policy offloads it (measured: 3 layers with 1 dense offload
     # 2 layers' inputs; 4 with 2 dense offload all 4)
+    # 96 positions: no width of the model is 96 (a [96, 96] buffer can only be attention's),
+    # and not a multiple of the 128 the Mosaic attention kernel tiles by (padded)
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(widths, compute_dtype="bfloat16", n_layers=4,
+        cfg, data=dataclasses.replace(cfg.data, seq_len=96),
+        model=dataclasses.replace(widths, compute_dtype="bfloat16", n_layers=4,
                                        n_dense_layers=2,
                                        attention_block_size=cfg.model.attention_block_size,
                                        **model),
@@ -134,6 +136,31 @@ def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
 
 
 @needs_toolchain
+def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_step):
+    facts, cfg = gpu_step["facts"], gpu_step["cfg"]
+    flash = {k: v for k, v in facts["custom_calls"].items() if "FlashAttention" in k}
+    # forward and backward kernels, in every scanned layer body and its recompute
+    assert flash and sum(flash.values()) >= 2, facts["custom_calls"]
+    assert facts["dense_attention_buffers"] == []
+    checks = {c["path"]: c for c in plan_gpu.kernel_checks(cfg, gpu_step["numbers"], facts, 0, [])}
+    assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
+
+
+@needs_toolchain
+def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
+    """The check can fail: tokamax's XLA path builds the [S, S] document mask."""
+    cfg = gpu_cfg(tiny_cfg, attention="tokamax_xla")
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_state=False,
+                                                               activations="none"))
+    step = compile_for_gpu(cfg)
+    s = cfg.data.seq_len
+    assert step["facts"]["dense_attention_buffers"][0]["shape"][-2:] == [s, s]
+    checks = {c["path"]: c for c in plan_gpu.kernel_checks(cfg, step["numbers"], step["facts"],
+                                                           0, [])}
+    assert not checks["attention"]["ok"]
+
+
+@needs_toolchain
 def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
     """The check can fail: jax.lax.ragged_dot compiles to every row times every expert."""
     cfg = gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot")
@@ -170,7 +197,7 @@ def test_plan_command_reports_the_gpu_program_as_json():
     assert ("ragged-all-to-all", "expert") in ops
     assert all(c["source"] == "compiled" for c in r["collectives"])
     kernels = {k["path"]: k["ok"] for k in r["kernels"]}
-    assert kernels["grouped matmul"] and kernels["MoE token exchange"]
+    assert kernels["grouped matmul"] and kernels["MoE token exchange"] and kernels["attention"]
 
 
 def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

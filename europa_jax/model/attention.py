@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
+from europa_jax.model import kernels
 from europa_jax.model.layers import RMSNorm, apply_rope, weight, yarn_mscale
 
 
@@ -53,8 +54,13 @@ class MLAttention(nn.Module):
         scale = (n + p) ** -0.5
         if cfg.rope_scaling.type == "yarn":  # DeepSeek-V3 sharpens softmax with YaRN's mscale²
             scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
-        out_BSHO = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
-                                       block_size=cfg.attention_block_size, scale=scale)
+        impl = kernels.attention_impl(cfg)
+        if impl == "blockwise":
+            out_BSHO = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
+                                           block_size=cfg.attention_block_size, scale=scale)
+        else:
+            out_BSHO = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
+                                         impl=impl)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
         return jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
 
@@ -125,3 +131,67 @@ def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, s
 
     out_XBYHO = jax.lax.map(one_query_block, (block_ids_X, q_XBYHK, seg_XBY))
     return jnp.moveaxis(out_XBYHO, 0, 1).reshape(b, s, h, o_dim)
+
+
+def document_starts(segment_ids_BS: jax.Array) -> jax.Array:
+    """For each position, the index of the first token of its document [B, S] int32.
+
+    Packed rows hold each document piece in one contiguous run of one segment id
+    (data.py), so "same document and causal" is exactly "key index in
+    [document start, query index]": a per-query lower bound instead of a [S, S] mask.
+    """
+    b, s = segment_ids_BS.shape
+    index_S = jnp.arange(s, dtype=jnp.int32)
+    starts_BS = jnp.concatenate([jnp.ones((b, 1), bool),
+                                 segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(starts_BS, index_S, 0), axis=1)
+
+
+def pad_sequence(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, multiple: int):
+    """Pad the sequence to a multiple of `multiple`. The padded positions come last and
+    form a document of their own (segment −1), so no real query sees them (causal) and
+    the real outputs are unchanged; the caller drops the padded rows."""
+    pad = -q_BSHK.shape[1] % multiple
+    if not pad:
+        return q_BSHK, k_BSHK, v_BSHO, segment_ids_BS
+    q_BSHK, k_BSHK, v_BSHO = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0)))
+                              for t in (q_BSHK, k_BSHK, v_BSHO))
+    return q_BSHK, k_BSHK, v_BSHO, jnp.pad(segment_ids_BS, ((0, 0), (0, pad)),
+                                           constant_values=-1)
+
+
+# tokamax's GPU kernels tile queries in blocks of up to 128: other lengths (tests) are
+# padded to a multiple of it.
+LIBRARY_SEQ_MULTIPLE = 128
+# model.attention → tokamax's implementation (ops in tokamax's attention api).
+TOKAMAX_ATTENTION = {"tokamax": "mosaic_gpu", "tokamax_triton": "triton",
+                     "tokamax_xla": "xla"}
+
+
+def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="tokamax"):
+    """Causal, document-masked attention by tokamax's flash attention (forward and VJP).
+
+    The document mask goes in as `Mask(k_start=document start, is_causal=True)`, which
+    tokamax's Mosaic GPU kernel applies per tile, so no [S, S] mask exists (its public
+    `dot_product_attention` takes only a dense mask or sequence lengths, hence the op
+    object). q/k head dims (192) may differ from v's (128). On Hopper the default is the
+    Mosaic GPU kernel (warp-specialized, sm90 WGMMA); `tokamax_triton` is its Triton one;
+    `tokamax_xla` runs anywhere but materializes the mask (tests compare it with the
+    blockwise kernel). Rows whose document has no visible key cannot occur (causal).
+    """
+    tokamax = kernels.import_tokamax()  # noqa: F841 - absl flags before tokamax's modules
+    from tokamax._src.ops.attention import api, base
+
+    op = api.IMPLEMENTATIONS[TOKAMAX_ATTENTION[impl]]
+    s = q_BSHK.shape[1]
+    if impl != "tokamax_xla":
+        q_BSHK, k_BSHK, v_BSHO, segment_ids_BS = pad_sequence(
+            q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, LIBRARY_SEQ_MULTIPLE)
+    mask = base.Mask(k_start=document_starts(segment_ids_BS)[:, None, :], is_causal=True)
+    dtype = v_BSHO.dtype
+    if impl == "tokamax" and dtype == jnp.float32:
+        # the Mosaic kernel multiplies bf16 only: float32-compute configs (the CPU ones,
+        # planned for a GPU) get bf16 inputs there, float32 accumulation and output
+        q_BSHK, k_BSHK, v_BSHO = (t.astype(jnp.bfloat16) for t in (q_BSHK, k_BSHK, v_BSHO))
+    out_BSHO = op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale)
+    return out_BSHO[:, :s].astype(dtype)

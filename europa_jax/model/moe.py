@@ -13,7 +13,6 @@ two best biased scores), then its top-k experts inside those groups.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import flax.linen as nn
@@ -22,7 +21,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax import comm
-from europa_jax.config import ConfigError, ModelConfig
+from europa_jax.config import ModelConfig
+from europa_jax.model import kernels
 from europa_jax.model.layers import SwiGLU, weight
 
 
@@ -104,57 +104,11 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
 def _ragged_matmul(impl: str, group_sizes_E):
     if impl == "ragged_dot":
         return lambda rows_MI, w_EIO: jax.lax.ragged_dot(rows_MI, w_EIO, group_sizes_E)
-    tokamax = _import_tokamax()
+    tokamax = kernels.import_tokamax()
     # None: tokamax's own order (Mosaic GPU on Hopper, then Triton, then XLA)
     implementation = ("triton", "xla") if impl == "tokamax_triton" else None
     return lambda rows_MI, w_EIO: tokamax.ragged_dot(rows_MI, w_EIO, group_sizes_E,
                                                      implementation=implementation)
-
-
-def _import_tokamax():
-    """tokamax (the `gpu` extra), imported only where a config asks for it.
-
-    tokamax reads absl flags, and absl would parse this process's own command line
-    (`europa-jax plan --devices …`, pytest's) on first access and reject it: flags are
-    marked parsed first, at their defaults.
-    """
-    import logging
-
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    import tokamax
-
-    # Without a tuned-config cache every trace warns, printing every group size: drop those.
-    logging.getLogger("absl").addFilter(
-        lambda record: not str(record.msg).startswith("Autotuning cache miss"))
-    return tokamax
-
-
-def tokamax_available() -> bool:
-    try:
-        return importlib.util.find_spec("tokamax") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
-    """The configured grouped matmul; `auto` is `blocked` on CPU and tokamax's on GPU.
-
-    `platform` defaults to the SPMD context's (the mesh's devices), then jax's backend.
-    """
-    if platform is None:
-        ctx = comm.current()
-        platform = ctx.platform if ctx else jax.default_backend()
-    impl = cfg.grouped_matmul
-    if impl == "auto":
-        impl = "blocked" if platform == "cpu" else "tokamax"
-    if impl.startswith("tokamax") and not tokamax_available():
-        raise ConfigError(f"model.grouped_matmul: {cfg.grouped_matmul!r} on {platform} uses "
-                          "tokamax's grouped matmul, which is not installed: pip install -e "
-                          "'.[gpu]' (or set model.grouped_matmul: blocked)")
-    return impl
 
 
 def compute_local_experts(x_RD, experts_RK, weights_RK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
@@ -235,7 +189,7 @@ def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
 
     y_RD, sizes_E = compute_local_experts(
         recv_x_JCD.reshape(rows, d), recv_e_JCK.reshape(rows, k), recv_w_JCK.reshape(rows, k),
-        w_gate_EDF, w_up_EDF, w_down_EFD, impl=grouped_matmul_impl(cfg))
+        w_gate_EDF, w_up_EDF, w_down_EFD, impl=kernels.grouped_matmul_impl(cfg))
     back_JCD = comm.exchange(y_RD.astype(wire).reshape(ep, capacity, d), recv_counts_J,
                              send_counts_J)
     back_TJD = back_JCD.reshape(rows, d).at[index_TJ].get(mode="fill", fill_value=0)
