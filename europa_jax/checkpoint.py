@@ -39,6 +39,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
 from europa_jax.train import Trainer, TrainState
+from europa_jax.train import model_param_shapes as train_model_param_shapes
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"
@@ -75,6 +76,14 @@ def leaf_key(path) -> str:
         else:
             parts.append(str(entry))
     return ".".join(parts)
+
+
+def model_param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Leaf key → the shape the model uses, without storage padding (model.
+    param_pad_multiple, sharding.storage_shape): what an export writes and an import reads."""
+    shapes = train_model_param_shapes(cfg)
+    return {leaf_key(path): shape for path, shape in jax.tree_util.tree_flatten_with_path(
+        {"params": shapes}, is_leaf=lambda x: isinstance(x, tuple))[0]}
 
 
 def _bit_sum(x: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ fixed before jax creates its backends.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -166,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             import flax.linen as nn
             from europa_jax import flops, optim
 
-            params = nn.unbox(abstract_variables(cfg))
+            # the model's own shapes: storage padding (model.param_pad_multiple) is no parameter
+            unpadded = dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, param_pad_multiple=1))
+            params = nn.unbox(abstract_variables(unpadded))
             report = flops.parameter_counts(cfg.model, params)
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))

@@ -47,6 +47,10 @@ class ModelConfig:
     # Rows of the embedding/head are padded to a multiple of this so that the vocab
     # dimension divides the mesh (2^k vocabularies do not divide 96 nodes × 4).
     vocab_pad_multiple: int = 128
+    # A weight with no data-shardable dimension that is a multiple of this is stored with
+    # one dimension zero-padded to one (sharding.storage_shape): on 96 nodes, 96, so that
+    # no weight is copied on every node. 1 = never pad.
+    param_pad_multiple: int = 1
     d_model: int
     n_layers: int
     n_dense_layers: int = 1
@@ -96,9 +100,9 @@ class ModelConfig:
     remat: Literal["none", "full"] = "full"
 
     def __post_init__(self):
-        _positive(self, "vocab_size", "vocab_pad_multiple", "d_model", "n_layers", "n_heads",
-                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                  "v_head_dim", "dense_ffn_dim", "n_routed_experts", "expert_ffn_dim", "top_k",
+        _positive(self, "vocab_size", "vocab_pad_multiple", "param_pad_multiple", "d_model",
+                  "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts", "expert_ffn_dim", "top_k",
                   "n_group", "topk_group", "rms_norm_eps", "rope_theta",
                   "max_position_embeddings", "attention_block_size", "init_std")
         if not 0 <= self.n_dense_layers <= self.n_layers:

@@ -140,7 +140,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     cfg: Config = from_dict(Config, meta["config"])
     out_type, dtype_name = DTYPES[dtype]
     reader = CheckpointReader(step_dir, meta["fingerprint"])
-    tensors = list(hf_layout.tensors(cfg.model, _LazyShapes(reader)))
+    tensors = list(hf_layout.tensors(cfg.model, _LazyShapes(reader),
+                                     checkpoint.model_param_shapes(cfg)))
 
     def out_dtype(name: str):
         return np.float32 if name.endswith(hf_layout.FLOAT32_ALWAYS) else out_type

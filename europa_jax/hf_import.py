@@ -122,7 +122,8 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
                 jax.tree_util.tree_flatten_with_path({"params": trainer.abstract_params})[0]}
     abstract[hf_layout.ROUTER_BIAS] = jax.ShapeDtypeStruct(
         (cfg.model.n_moe_layers, cfg.model.n_routed_experts), jnp.float32)
-    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in abstract.items()}))
+    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in abstract.items()},
+                                  checkpoint.model_param_shapes(cfg)))
     check_weights(weights, plan, cfg.model.n_layers)
     tmp = prepare_output(run_dir, overwrite)
     try:

@@ -65,6 +65,9 @@ class Source:
     index: tuple[int, ...]  # layer (if scanned) and expert (if per-expert)
     n_in: int | None  # leading dims that are the Linear's input; None for the other kinds
     kind: str = "linear"  # linear | expert (one of an [E, in, out] stack) | vector | embedding | lm_head
+    # the item's shape as the model uses it; stored with zero padding where it differs
+    # (model.param_pad_multiple, sharding.storage_shape). None: as stored.
+    shape: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,8 @@ class HFTensor:
 
 def to_hf(x: np.ndarray, source: Source, vocab_size: int) -> np.ndarray:
     """Our layout → HF layout (a view where possible; callers copy as they cast)."""
+    if source.shape is not None and tuple(x.shape) != source.shape:  # drop storage padding
+        x = x[tuple(slice(0, n) for n in source.shape)]
     if source.kind == "embedding":
         return x[:vocab_size]
     if source.kind == "lm_head":
@@ -86,7 +91,10 @@ def to_hf(x: np.ndarray, source: Source, vocab_size: int) -> np.ndarray:
 
 
 def from_hf(t: np.ndarray, source: Source, our_shape: tuple[int, ...]) -> np.ndarray:
-    """HF layout → our layout for one tensor (vocab padding rows filled with zeros)."""
+    """HF layout → our layout for one tensor (vocab and storage padding: zeros)."""
+    if source.shape is not None and source.shape != tuple(our_shape):
+        ours = from_hf(t, dataclasses.replace(source, shape=None), source.shape)
+        return np.pad(ours, [(0, m - n) for n, m in zip(source.shape, our_shape)])
     if source.kind == "embedding":
         return np.concatenate([t, np.zeros((our_shape[0] - t.shape[0], t.shape[1]), t.dtype)])
     if source.kind == "lm_head":
@@ -110,18 +118,23 @@ def block_key(cfg: ModelConfig, layer: int, path: str) -> tuple[str, tuple[int, 
     return f"params.{stack}_{i}.{path}", ()
 
 
-def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterator[HFTensor]:
+def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]],
+            model_shapes: dict[str, tuple[int, ...]] | None = None) -> Iterator[HFTensor]:
     """Every HF tensor in file order: embedding, layer 0 … L-1, final norm, LM head.
 
     `our_shapes` maps leaf keys to shapes (of our abstract state), so the plan (names,
-    shapes, bytes, files) is known before a single weight is read.
+    shapes, bytes, files) is known before a single weight is read; `model_shapes` the same
+    keys to the shapes the model uses (checkpoint.model_param_shapes), where storage pads.
     """
     v = cfg.vocab_size
+    model_shapes = model_shapes or {}
 
     def make(name, key, index, n_in, kind="linear"):
-        source = Source(key, index, n_in, kind)
-        per_item = our_shapes[key][len(index):]
-        return HFTensor(name, hf_shape(per_item, source, v), source)
+        per_item = tuple(our_shapes[key][len(index):])
+        used = tuple(model_shapes.get(key, our_shapes[key])[len(index):])
+        source = Source(key, index, n_in, kind, used if used != per_item else None)
+        return HFTensor(name, hf_shape(used, dataclasses.replace(source, shape=None), v),
+                        source)
 
     yield make("model.embed_tokens.weight", "params.embedding", (), None, "embedding")
     for layer in range(cfg.n_layers):

@@ -131,30 +131,63 @@ def scale_by_muon(*, ns_steps: int, beta: float, eps: float, dims_fn: Callable[[
     return optax.GradientTransformation(reference.init, update_fn)
 
 
+def scale_by_model_shape(dims_fn: Callable[[Any], Any], consistent_rms: float | None,
+                         shapes_fn: Callable[[Any], Any] | None = None
+                         ) -> optax.GradientTransformation:
+    """optax's `scale_by_shape` (consistent RMS: √max(fan_in, fan_out) · consistent_rms;
+    else width scaling √max(1, fan_out / fan_in)), with the fans of the matrix the model
+    uses (`shapes_fn`: updates → shape per leaf), not of its zero-padded storage
+    (sharding.storage_shape), so that padding leaves the update unchanged."""
+    def scale(update, dims, shape):
+        fan_in, fan_out = _muon._get_shape_products(
+            jax.ShapeDtypeStruct(tuple(shape), update.dtype), dims)
+        if consistent_rms is not None:
+            return update * (math.sqrt(max(fan_in, fan_out)) * consistent_rms)
+        return update * math.sqrt(max(1.0, fan_out / fan_in))
+
+    def update_fn(updates, state, params=None):
+        del params
+        shapes = shapes_fn(updates) if shapes_fn else jax.tree.map(lambda u: u.shape, updates)
+        return jax.tree.map(scale, updates, dims_fn(updates), shapes,
+                            is_leaf=lambda d: isinstance(d, MuonDimensionNumbers)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def muon(learning_rate: optax.ScalarOrSchedule, *, ns_steps: int, beta: float, eps: float,
          weight_decay: float, consistent_rms: float, dims_fn: Callable[[Any], Any],
-         specs_fn: SpecsFn | None = None, mesh: Mesh | None = None
-         ) -> optax.GradientTransformation:
+         specs_fn: SpecsFn | None = None, mesh: Mesh | None = None,
+         shapes_fn: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
     """The Muon branch of `optax.contrib.muon` (for leaves that are all Muon matrices):
     orthogonalized Nesterov momentum, consistent-RMS scaling, decoupled weight decay × lr."""
     return optax.chain(
         scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, dims_fn=dims_fn,
                       specs_fn=specs_fn, mesh=mesh),
-        _muon.scale_by_shape(weight_dimension_numbers=dims_fn, consistent_rms=consistent_rms),
+        scale_by_model_shape(dims_fn, consistent_rms, shapes_fn),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
 
 
-def specs_by_path(param_specs: Any) -> SpecsFn:
-    """updates tree → the PartitionSpec of each leaf's parameter, matched by key path."""
-    table = {tuple(path): spec for path, spec in jax.tree_util.tree_flatten_with_path(
-        param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+def by_path(tree: Any, what: str, is_leaf: Callable[[Any], bool] | None = None) -> SpecsFn:
+    """updates tree → the entry of `tree` (PartitionSpecs, shapes) at each leaf's key path."""
+    table = {tuple(path): value for path, value in
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
-    def specs(updates):
+    def lookup_all(updates):
         def lookup(path, _):
             if tuple(path) not in table:
-                raise KeyError(f"no PartitionSpec for Muon parameter {jax.tree_util.keystr(path)}")
+                raise KeyError(f"no {what} for Muon parameter {jax.tree_util.keystr(path)}")
             return table[tuple(path)]
         return jax.tree_util.tree_map_with_path(lookup, updates)
 
-    return specs
+    return lookup_all
+
+
+def specs_by_path(param_specs: Any) -> SpecsFn:
+    """updates tree → the PartitionSpec of each leaf's parameter, matched by key path."""
+    return by_path(param_specs, "PartitionSpec", is_leaf=lambda x: isinstance(x, P))
+
+
+def shapes_by_path(model_shapes: Any) -> SpecsFn:
+    """updates tree → the shape the model uses for each leaf (tuples), by key path."""
+    return by_path(model_shapes, "model shape", is_leaf=lambda x: isinstance(x, tuple))

@@ -88,10 +88,13 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None,
-                    param_specs: Any = None) -> optax.GradientTransformation:
+                    param_specs: Any = None, model_shapes: Any = None
+                    ) -> optax.GradientTransformation:
     """The optimizer; with `mesh` and the parameters' PartitionSpecs, Muon orthogonalizes
     each matrix whole on one device, the matrices spread over the mesh (muon_sharded.py),
-    instead of letting GSPMD gather every stack. Without a mesh: optax.contrib.muon's math."""
+    instead of letting GSPMD gather every stack. Without a mesh: optax.contrib.muon's math.
+    `model_shapes` (a tree of shape tuples like the parameters) gives Muon's scaling the
+    shapes without storage padding; by default the parameters' own."""
     if (mesh is None) != (param_specs is None):
         raise ValueError("build_optimizer: pass both mesh and param_specs, or neither")
     lr = schedule(cfg, total_steps)
@@ -99,7 +102,8 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None
         lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay, consistent_rms=cfg.muon_consistent_rms,
         dims_fn=muon_dimension_numbers, mesh=mesh,
-        specs_fn=None if mesh is None else muon_sharded.specs_by_path(param_specs))
+        specs_fn=None if mesh is None else muon_sharded.specs_by_path(param_specs),
+        shapes_fn=None if model_shapes is None else muon_sharded.shapes_by_path(model_shapes))
 
     def adamw(weight_decay: float) -> optax.GradientTransformation:
         return optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,

@@ -139,6 +139,36 @@ def resolve_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
     return P(*entries)
 
 
+def storage_shape(logical_axes: Sequence[str | None], shape: Sequence[int],
+                  multiple: int) -> tuple[int, ...]:
+    """The shape a parameter is stored (and sharded, and checkpointed) in.
+
+    `shape` itself, unless no dimension that may be sharded over `data` is a multiple of
+    `multiple` (`model.param_pad_multiple`: the node count, 96 on Jupiter): then the one
+    such dimension that pads least is zero-padded up to a multiple of it. europa-952b's
+    `w_o[64, 128, 7168]` becomes `[64, 128, 7200]` (+0.45 %) and `w_kv_b[512, 64, 256]`
+    `[576, 64, 256]`: otherwise no dimension takes the factor 3 of 96 nodes and every node
+    would hold a copy (4.1 GB per GPU, and as much optimizer state). The padding depends
+    on the config, not on the mesh, so checkpoints restore on any mesh. The model reads
+    only the leading `shape` part (layers.weight), so the padding gets zero gradients and
+    stays zero under Muon (Newton–Schulz maps zero rows/columns to zero) and AdamW.
+    """
+    shape = tuple(shape)
+    if multiple <= 1:
+        return shape
+    eligible = [d for d, name in enumerate(logical_axes) if name is not None and "data" in
+                LOGICAL_RULES.get(name, ()) + FALLBACK_RULES.get(name, ())]
+    if not eligible or any(shape[d] % multiple == 0 for d in eligible):
+        return shape
+    # never the expert dimension: padding it would add experts
+    candidates = [d for d in eligible if logical_axes[d] != "experts"]
+    if not candidates:
+        return shape
+    padded = lambda d: -(-shape[d] // multiple) * multiple
+    dim = min(candidates, key=lambda d: padded(d) / shape[d])  # first of equals: stable
+    return shape[:dim] + (padded(dim),) + shape[dim + 1:]
+
+
 def entry_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry: None → (), 'data' → ('data',), tuples as is."""
     if entry is None:

@@ -136,6 +136,36 @@ def test_import_of_export_is_exact(trained, exported_fp32, tmp_path):
     assert "checkpoint_restored step=0" in result.stderr
 
 
+def test_padded_storage_imports_and_exports_the_same_weights(trained, exported_fp32, tmp_path):
+    """model.param_pad_multiple stores some weights zero-padded (sharding.storage_shape):
+    an import pads them, an export drops the padding — the HF files are bitwise the same."""
+    run_dir, cfg = trained
+    sets = [a for item in TRAIN + ["model.param_pad_multiple=3"] for a in ("--set", item)]
+    imported = tmp_path / "padded"
+    result = cli("import", str(exported_fp32), "--config", config_path("tiny-cpu.yaml"), *sets,
+                 "--out", str(imported))
+    assert result.returncode == 0, result.stderr[-3000:]
+    original, padded = saved_state(run_dir), saved_state(imported)
+    n_padded = 0
+    for key, a in original.items():
+        b = padded[key]
+        if b.shape != a.shape:
+            n_padded += 1
+            used = tuple(slice(0, n) for n in a.shape)
+            np.testing.assert_array_equal(b[used], a, err_msg=key)
+            rest = np.ones(b.shape, bool)
+            rest[used] = False
+            assert not np.any(b[rest]), key  # the padding is zeros
+    assert n_padded >= 5
+    again = tmp_path / "again"
+    export(imported, again, dtype="fp32", max_shard_bytes=400_000)
+    for name in sorted(p.name for p in exported_fp32.glob("*.safetensors")):
+        with safe_open(exported_fp32 / name, "np") as first, safe_open(again / name, "np") as second:
+            assert set(first.keys()) == set(second.keys())
+            for key in first.keys():
+                np.testing.assert_array_equal(second.get_tensor(key), first.get_tensor(key))
+
+
 def test_bf16_export_layout(trained, tmp_path):
     run_dir, cfg = trained
     out = tmp_path / "bf16"

@@ -45,6 +45,67 @@ def test_every_parameter_divides_the_384_gpu_mesh(name):
     assert replicated_bytes / total < 0.05
 
 
+def stored_leaves(cfg):
+    """(path, logical names, stored shape) of every parameter."""
+    return [(path, leaf.names, leaf.value.shape) for path, leaf in boxed_leaves(cfg)]
+
+
+def test_europa_stores_every_weight_sharded_over_all_nodes():
+    """param_pad_multiple: 96 pads the two weights without a factor 3; only the norm
+    vectors (replicated by their rule) are copied."""
+    cfg = load_config(config_path("europa-952b.yaml"))
+    stored = {path: (names, shape) for path, names, shape in stored_leaves(cfg)}
+    assert stored["['moe_layers']['attention']['w_o']"][1] == (59, 64, 128, 7200)
+    assert stored["['moe_layers']['attention']['w_kv_b']"][1] == (59, 576, 64, 256)
+    assert stored["['moe_layers']['attention']['w_q_b']"][1] == (59, 1536, 64, 192)  # as is
+    for path, (names, shape) in stored.items():
+        spec = sharding.resolve_spec(names, shape, MESH_96x4)
+        copied = sharding.replicated_over(spec, MESH_96x4)
+        assert not copied or names[-1] == "norm", (path, shape, spec)
+
+
+def test_storage_padding_pads_the_dimension_that_pads_least():
+    pad = sharding.storage_shape
+    assert pad(("heads", "head_dim", "embed"), (64, 128, 7168), 96) == (64, 128, 7200)
+    assert pad(("kv_lora", "heads", "head_dim"), (512, 64, 256), 96) == (576, 64, 256)
+    assert pad(("embed", "q_lora"), (7168, 1536), 96) == (7168, 1536)  # 1536 = 16·96
+    assert pad(("norm",), (7168,), 96) == (7168,)  # norms are not sharded at all
+    assert pad(("experts", "expert_embed", "expert_mlp"), (384, 7168, 2048), 96) == (
+        384, 7168, 2048)  # Kimi: the experts take `data` (fallback rule)
+    assert pad(("heads", "head_dim", "embed"), (64, 128, 7168), 1) == (64, 128, 7168)
+
+
+def test_padded_storage_trains_exactly_like_unpadded(tiny_cfg):
+    """Zero padding is invisible to the model: the same losses and the same weights (where
+    they exist), with the padding still zero after Muon and AdamW steps."""
+    import dataclasses
+
+    import numpy as np
+    from flax import traverse_util
+
+    from conftest import train_for
+
+    padded_cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
+        tiny_cfg.model, param_pad_multiple=3))
+    state, losses = train_for(tiny_cfg, 3)
+    padded_state, padded_losses = train_for(padded_cfg, 3)
+    np.testing.assert_allclose(padded_losses, losses, rtol=1e-5)
+    flat = traverse_util.flatten_dict(jax.device_get(state.params))
+    padded_flat = traverse_util.flatten_dict(jax.device_get(padded_state.params))
+    n_padded = 0
+    for key, w in flat.items():
+        p = padded_flat[key]
+        if p.shape != w.shape:
+            n_padded += 1
+            used = tuple(slice(0, n) for n in w.shape)
+            rest = np.ones(p.shape, bool)
+            rest[used] = False
+            assert not np.any(p[rest]), key  # the padding stayed zero
+            p = p[used]
+        np.testing.assert_allclose(p, w, rtol=2e-4, atol=1e-6, err_msg=str(key))
+    assert n_padded >= 5  # the test covers Muon matrices and AdamW leaves that pad
+
+
 def test_europa_expert_and_kv_a_layouts():
     cfg = load_config(config_path("europa-952b.yaml"))
     leaves = dict(boxed_leaves(cfg))

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from europa_jax import comm
+from europa_jax import comm, sharding
 from europa_jax.config import ModelConfig, RopeScalingConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -31,11 +31,27 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     assert len(shape) == len(axes), (name, shape, axes)
     initializer = {"normal": nn.initializers.normal(cfg.init_std),
                    "ones": nn.initializers.ones, "zeros": nn.initializers.zeros}[init]
+    stored = sharding.storage_shape(axes, shape, cfg.param_pad_multiple)
+    if stored != tuple(shape):  # the padding is zeros; the rest as if unpadded
+        initializer = _zero_padded(initializer, shape, stored)
     boxed_init = nn.with_logical_partitioning(initializer, axes)
     # Under SPMD the module sees its shard; Flax checks the stored shape against this.
-    w = module.param(name, boxed_init, comm.local_shape(axes, shape), DTYPES[cfg.param_dtype])
-    return comm.gather_weight(w, axes, shape, dtype or DTYPES[cfg.compute_dtype],
-                              min_wire=min_wire)
+    w = module.param(name, boxed_init, comm.local_shape(axes, stored), DTYPES[cfg.param_dtype])
+    w = comm.gather_weight(w, axes, stored, dtype or DTYPES[cfg.compute_dtype],
+                           min_wire=min_wire)
+    if stored != tuple(shape):  # the padded dimension is gathered whole: drop the padding
+        w = w[tuple(slice(0, n) if n != m else slice(None) for n, m in zip(shape, stored))]
+    return w
+
+
+def _zero_padded(initializer, shape, stored):
+    def init(key, requested, dtype):
+        if tuple(requested) != tuple(stored):  # a shard's shape (Flax checks it under SPMD)
+            return initializer(key, requested, dtype)
+        w = initializer(key, shape, dtype)
+        return jnp.pad(w, [(0, m - n) for n, m in zip(shape, stored)])
+
+    return init
 
 
 class RMSNorm(nn.Module):
