@@ -253,6 +253,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     as_compiled = estimate(executed, rows=charged)
     fits = (hbm_peak is not None and hbm_peak <= budget["hbm_bytes"]
             and host_peak is not None and host_peak <= budget["host_bytes"])
+    budget["host_bytes_strict"] = hardware.HOST_BYTES_STRICT  # 120 GB per node, 30 per GPU
     for row, source in [(r, "step") for r in step_rows] + [
             (r, "partitioner") for r in partitioner_rows] + [(r, "compiled") for r in gpu_rows]:
         row["source"] = source
@@ -262,6 +263,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     return {
         "config": name, "target": target, "devices": n_dev,
         "budget": budget, "fits": fits,
+        "fits_strict_host": fits and host_peak <= hardware.HOST_BYTES_STRICT,
         "per_device": {"hbm_peak_bytes": hbm_peak, "host_peak_bytes": host_peak},
         "mesh": {"data": cfg.mesh.data, "expert": cfg.mesh.expert},
         "tokens_per_device": tokens / n_dev, "seq_len": cfg.data.seq_len,

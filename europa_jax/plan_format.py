@@ -6,7 +6,7 @@ from typing import Any
 
 
 def size(x: float | None) -> str:
-    """Bytes in decimal units (the budgets are 96 GB and 30 GB, i.e. 10^9 bytes)."""
+    """Bytes in decimal units (the budgets are 88.32 GB and 96 GB, i.e. 10^9 bytes)."""
     if x is None:
         return "n/a"
     return f"{x / 1e9:,.2f} GB" if abs(x) >= 1e8 or x == 0 else f"{x / 1e6:,.2f} MB"
@@ -156,7 +156,9 @@ def format_report(r: dict[str, Any]) -> str:
              f"compiled for {c['program']}: {c['mode']}, {r['layers']} layers "
              f"({c['moe_layers']} MoE), {c['seconds']:.0f} s",
              f"fits (HBM ≤ {size(r['budget']['hbm_bytes'])}, host ≤ "
-             f"{size(r['budget']['host_bytes'])}): {'yes' if r['fits'] else 'NO'}"]
+             f"{size(r['budget']['host_bytes'])}): {'yes' if r['fits'] else 'NO'}"
+             + (f"; within {size(r['budget']['host_bytes_strict'])} of host memory (120 GB "
+                f"per node): {'yes' if r['fits_strict_host'] else 'no'}" if r["fits"] else "")]
     if c["error"]:
         lines.append(f"COMPILE FAILED: {c['error']} — state bytes below are exact, nothing "
                      "else could be measured")

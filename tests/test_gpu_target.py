@@ -191,7 +191,9 @@ def test_plan_command_reports_the_gpu_program_as_json():
     assert r["per_device"]["hbm_peak_bytes"] == (mem["argument"] + mem["output"] - mem["alias"]
                                                  + mem["temp"])
     assert r["per_device"]["host_peak_bytes"] == 0  # tiny-cpu offloads nothing
-    assert r["budget"] == {"hbm_bytes": 0.92 * 96e9, "host_bytes": 30e9}
+    assert r["budget"] == {"hbm_bytes": 0.92 * 96e9, "host_bytes": 96e9,
+                           "host_bytes_strict": 30e9}
+    assert r["fits_strict_host"] is True
     assert r["fits"] is True and r["estimate"]["tokens_per_s_per_gpu"] > 0
     ops = {(c["op"], c["axes"]) for c in r["collectives"]}
     assert ("ragged-all-to-all", "expert") in ops

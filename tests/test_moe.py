@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from europa_jax.model import kernels
 from europa_jax.model.moe import MoE, compute_local_experts, dispatch_layout, grouped_swiglu, route
 
 
@@ -69,8 +70,12 @@ def dense_reference(params, x_BSD, bias_E, cfg):
     return (routed + shared).reshape(x_BSD.shape)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot", "tokamax"])
 def test_moe_equals_dense_reference(moe_cfg, impl):
+    """tokamax: the GPU default's call, here on tokamax's XLA fallback (its Mosaic GPU kernel
+    is compiled for a GH200 in test_gpu_target.py)."""
+    if impl == "tokamax" and not kernels.tokamax_available():
+        pytest.skip("tokamax (the gpu extra) is not installed")
     cfg = dataclasses.replace(moe_cfg, compute_dtype="float32", grouped_matmul=impl)
     x = jax.random.normal(jax.random.key(3), (2, 32, cfg.d_model))
     bias = jax.random.normal(jax.random.key(4), (16,)) * 0.01
