@@ -102,9 +102,9 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "vocab_size", "vocab_pad_multiple", "param_pad_multiple", "d_model",
                   "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                  "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts", "expert_ffn_dim", "top_k",
-                  "n_group", "topk_group", "rms_norm_eps", "rope_theta",
-                  "max_position_embeddings", "attention_block_size", "init_std")
+                  "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts",
+                  "expert_ffn_dim", "top_k", "n_group", "topk_group", "rms_norm_eps",
+                  "rope_theta", "max_position_embeddings", "attention_block_size", "init_std")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
                               f"model.n_layers={self.n_layers}]")

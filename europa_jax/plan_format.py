@@ -16,19 +16,23 @@ def _fits(ok: bool) -> str:
     return "fits" if ok else "DOES NOT FIT"
 
 
+def _state_rows(m: dict[str, Any], row) -> list[str]:
+    """The train state per memory kind, and the largest parameters copied over a mesh axis."""
+    held = m["state"]
+    lines = [row(label, size(held[key].get("device", 0)), size(held[key].get("pinned_host", 0)))
+             for label, key in (("parameters (master copy)", "params"),
+                                ("optimizer state", "optimizer_state"),
+                                ("other state", "other_state"))]
+    return lines + [row(f"  of which {rep['name']} copied over '{rep['over']}'", size(rep["bytes"]))
+                    for rep in [p for p in m["replicated_params"] if p["bytes"] >= 1e6][:3]]
+
+
 def _memory(r: dict[str, Any]) -> list[str]:
     m, hw = r["memory"], r["machine"]
     probed = r["compiled"].get("probe_moe_layers")
-    held = m["state"]
     row = lambda label, dev="", host="": f"  {label:<50}{dev:>14}{host:>14}"
     lines = [f"{'memory per device':<52}{'device':>14}{'host':>14}"]
-    for label, key in (("parameters (master copy)", "params"),
-                       ("optimizer state", "optimizer_state"), ("other state", "other_state")):
-        lines.append(row(label, size(held[key].get("device", 0)),
-                         size(held[key].get("pinned_host", 0))))
-    for rep in [p for p in m["replicated_params"] if p["bytes"] >= 1e6][:3]:
-        lines.append(row(f"  of which {rep['name']} copied over '{rep['over']}'",
-                         size(rep["bytes"])))
+    lines += _state_rows(m, row)
     lines.append(row("saved activations offloaded", "", size(m["activations_offloaded"])))
     for label, key in (("whole step: state + XLA:CPU program", "step"),
                        ("forward+backward alone: its program + state", "forward_backward"),
@@ -102,16 +106,10 @@ def _estimate(e: dict[str, float], label: str) -> list[str]:
 def _gpu_memory(r: dict[str, Any]) -> list[str]:
     """Memory of the GPU program: XLA:GPU's own accounting, HBM and host apart."""
     m, budget, per = r["memory"], r["budget"], r["per_device"]
-    held, x = m["state"], m["step"]["xla_gpu"]
+    x = m["step"]["xla_gpu"]
     row = lambda label, dev="", host="": f"  {label:<50}{dev:>14}{host:>14}"
     lines = [f"{'memory per GPU (the GPU program)':<52}{'HBM':>14}{'host':>14}"]
-    for label, key in (("parameters (master copy)", "params"),
-                       ("optimizer state", "optimizer_state"), ("other state", "other_state")):
-        lines.append(row(label, size(held[key].get("device", 0)),
-                         size(held[key].get("pinned_host", 0))))
-    for rep in [p for p in m["replicated_params"] if p["bytes"] >= 1e6][:3]:
-        lines.append(row(f"  of which {rep['name']} copied over '{rep['over']}'",
-                         size(rep["bytes"])))
+    lines += _state_rows(m, row)
     if x:
         lines += [row("arguments (state in, batch)", size(x["argument"]),
                       size(x["host_argument"])),

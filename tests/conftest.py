@@ -47,3 +47,13 @@ def train_for(cfg, steps):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
     return state, losses
+
+
+def split_padding(padded, shape):
+    """(the leading `shape` part of a zero-padded stored array, the padding's values)."""
+    import numpy as np
+
+    used = tuple(slice(0, n) for n in shape)
+    rest = np.ones(padded.shape, bool)
+    rest[used] = False
+    return padded[used], padded[rest]

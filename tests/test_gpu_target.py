@@ -46,6 +46,11 @@ def gpu_cfg(cfg, **model):
                                     activations="offload_layer_inputs"))
 
 
+def without_offload(cfg):
+    return dataclasses.replace(cfg, offload=dataclasses.replace(
+        cfg.offload, optimizer_state=False, activations="none"))
+
+
 def compile_for_gpu(cfg):
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     numbers, largest, facts = plan_gpu.measure(cfg, mesh)
@@ -149,9 +154,7 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
 @needs_toolchain
 def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
     """The check can fail: tokamax's XLA path builds the [S, S] document mask."""
-    cfg = gpu_cfg(tiny_cfg, attention="tokamax_xla")
-    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_state=False,
-                                                               activations="none"))
+    cfg = without_offload(gpu_cfg(tiny_cfg, attention="tokamax_xla"))
     step = compile_for_gpu(cfg)
     s = cfg.data.seq_len
     assert step["facts"]["dense_attention_buffers"][0]["shape"][-2:] == [s, s]
@@ -163,9 +166,7 @@ def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
 @needs_toolchain
 def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
     """The check can fail: jax.lax.ragged_dot compiles to every row times every expert."""
-    cfg = gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot")
-    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_state=False,
-                                                               activations="none"))
+    cfg = without_offload(gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot"))
     step = compile_for_gpu(cfg)
     assert not any("RaggedDot" in k for k in step["facts"]["custom_calls"])
     checks = plan_gpu.kernel_checks(cfg, step["numbers"], step["facts"], 0, [])

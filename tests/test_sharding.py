@@ -83,7 +83,7 @@ def test_padded_storage_trains_exactly_like_unpadded(tiny_cfg):
     import numpy as np
     from flax import traverse_util
 
-    from conftest import train_for
+    from conftest import split_padding, train_for
 
     padded_cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
         tiny_cfg.model, param_pad_multiple=3))
@@ -97,11 +97,8 @@ def test_padded_storage_trains_exactly_like_unpadded(tiny_cfg):
         p = padded_flat[key]
         if p.shape != w.shape:
             n_padded += 1
-            used = tuple(slice(0, n) for n in w.shape)
-            rest = np.ones(p.shape, bool)
-            rest[used] = False
-            assert not np.any(p[rest]), key  # the padding stayed zero
-            p = p[used]
+            p, padding = split_padding(p, w.shape)
+            assert not np.any(padding), key  # the padding stayed zero
         np.testing.assert_allclose(p, w, rtol=2e-4, atol=1e-6, err_msg=str(key))
     assert n_padded >= 5  # the test covers Muon matrices and AdamW leaves that pad
 
