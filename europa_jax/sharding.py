@@ -11,8 +11,9 @@ Sizes decide the dimension: 96 nodes carry a factor 3 that 7168 (the hidden size
 so `resolve_spec` gives each mesh axis to the first dimension of the tensor whose
 logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]` →
 `P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
-over it (e.g. europa-952b's `w_o[64, 128, 7168]` over `data`); `replicated_over`
-reports that so tests and planning can show the cost.
+over it; `replicated_over` reports that so tests and planning can show the cost, and
+`storage_shape` (model.param_pad_multiple) avoids it by storing such a weight zero-padded
+(europa-952b's `w_o[64, 128, 7168]` as `[64, 128, 7200]`).
 
 Axis type: `AxisType.Auto`. The forward/backward pass is one explicit `shard_map`
 (train.py, comm.py), where axis types play no role; what remains outside it — the
