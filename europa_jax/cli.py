@@ -7,7 +7,6 @@ fixed before jax creates its backends.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -115,14 +114,13 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     if args.target != "cpu" and probes:
         raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
                           "compiles the whole depth in about a minute)")
-    # a plan never touches a device: CPU is the backend, a GPU only a compilation target
-    # (and with JAX_PLATFORMS=cpu the CUDA plugin skips its driver check)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax_start.import_quietly()
-    from europa_jax import gpu_target
+    from europa_jax import gpu_target  # imports no jax
 
     if args.target != "cpu":
         gpu_target.require_toolchain(args.target)
+    # a plan never touches a device: CPU is the backend, a GPU only a compilation target
+    gpu_target.prepare_process()
+    jax_start.import_quietly()
     from europa_jax import plan, plan_format  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
@@ -163,14 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg)
         if args.command == "count":
             _use_cpu_devices(1)
-            from europa_jax.train import abstract_variables
+            from europa_jax.train import abstract_variables, without_storage_padding
             import flax.linen as nn
             from europa_jax import flops, optim
 
             # the model's own shapes: storage padding (model.param_pad_multiple) is no parameter
-            unpadded = dataclasses.replace(cfg, model=dataclasses.replace(
-                cfg.model, param_pad_multiple=1))
-            params = nn.unbox(abstract_variables(unpadded))
+            params = nn.unbox(abstract_variables(without_storage_padding(cfg)))
             report = flops.parameter_counts(cfg.model, params)
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))

@@ -79,12 +79,16 @@ def abstract_variables(cfg: Config) -> Any:
                                              init_router_bias(cfg.model)))["params"]
 
 
+def without_storage_padding(cfg: Config) -> Config:
+    """The same model with every parameter in the shape the model uses (no
+    `model.param_pad_multiple` padding, sharding.storage_shape)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_pad_multiple=1))
+
+
 def model_param_shapes(cfg: Config) -> Any:
-    """The parameters' shapes as the model uses them (tuples, in the parameter tree):
-    without the storage padding of `model.param_pad_multiple`."""
-    unpadded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                  param_pad_multiple=1))
-    return jax.tree.map(lambda leaf: tuple(leaf.shape), nn.unbox(abstract_variables(unpadded)))
+    """The parameters' shapes as the model uses them (tuples, in the parameter tree)."""
+    return jax.tree.map(lambda leaf: tuple(leaf.shape),
+                        nn.unbox(abstract_variables(without_storage_padding(cfg))))
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
@@ -92,8 +96,9 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     boxed = abstract_variables(cfg)
     param_specs = sharding.specs_for(boxed, sharding.mesh_shape_of(mesh))
     # the optimizer lays Muon's matrices out over this mesh (one whole matrix per device)
+    padded = cfg.model.param_pad_multiple > 1  # else the stored shapes are the model's
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps, mesh, param_specs,
-                               model_shapes=model_param_shapes(cfg))
+                               model_shapes=model_param_shapes(cfg) if padded else None)
     abstract_params = nn.unbox(boxed)
     placed_on = sharding.placement_mesh(mesh)
     param_shardings = jax.tree.map(lambda spec: NamedSharding(placed_on, spec), param_specs,
