@@ -1,4 +1,4 @@
-"""`europa-jax train|prepare|export|import|count|plan`: the command line.
+"""`europa-jax train|prepare|export|import|count|plan|report`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from europa_jax import exit_codes, jax_start
+from europa_jax import exit_codes, jax_start, logs
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.corpus import DataError
@@ -20,15 +20,24 @@ from europa_jax.distributed import StartError
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="europa-jax", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    loudness = common.add_mutually_exclusive_group()
+    loudness.add_argument("--quiet", "-q", dest="verbosity", action="store_const",
+                          const="quiet", default="normal", help="warnings and errors only")
+    loudness.add_argument("--verbose", "-v", dest="verbosity", action="store_const",
+                          const="verbose", help="debug lines, and the libraries' info lines")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model from a YAML config")
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    train = command("train", help="train a model from a YAML config")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set optim.learning_rate=1e-3")
     train.add_argument("--run-dir", help="where metrics.jsonl goes (default: train.run_dir)")
 
-    export = sub.add_parser("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
+    export = command("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True, help="output directory (created)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
@@ -36,18 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="bound per safetensors file")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
-    imp = sub.add_parser("import", help="Hugging Face DeepseekV3 safetensors → a run directory")
+    imp = command("import", help="Hugging Face DeepseekV3 safetensors → a run directory")
     imp.add_argument("hf_dir")
     imp.add_argument("--config", required=True, help="the YAML config to train it with")
     imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     imp.add_argument("--out", required=True, help="run directory to create")
     imp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
-    count = sub.add_parser("count", help="parameter counts from shapes alone (no allocation)")
+    count = command("count", help="parameter counts from shapes alone (no allocation)")
     count.add_argument("config")
     count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
-    plan = sub.add_parser("plan", help="per-device memory, FLOPs, communication, kernels and "
+    plan = command("plan", help="per-device memory, FLOPs, communication, kernels and "
                           "GH200 step estimate, from the step compiled for N GPUs (or CPUs) "
                           "without them")
     plan.add_argument("config")
@@ -62,10 +71,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
                       "config's depth")
 
-    prepare = sub.add_parser("prepare", help="tokenize text/JSONL files into a training corpus")
+    prepare = command("prepare", help="tokenize text, JSON lines or Parquet files into a "
+                      "training corpus")
     source = prepare.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", nargs="+", action="extend", metavar="PATH",
-                        help="text files, directories (walked, sorted) or .jsonl[.gz] files")
+                        help="text files, directories (walked, sorted), JSON lines "
+                        "(.jsonl/.ndjson/.json) or .parquet; .gz/.zst compressed")
     source.add_argument("--stdlib", action="store_true",
                         help="the default corpus: this Python's standard library sources")
     prepare.add_argument("--out", required=True, help="new corpus directory (must not exist)")
@@ -73,7 +84,18 @@ def _parser() -> argparse.ArgumentParser:
                          help="'bytes' (default) or a Hugging Face tokenizer.json")
     prepare.add_argument("--eos-token", help="end-of-document token (default: from "
                          "tokenizer_config.json beside the tokenizer, or a known name)")
-    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prepare.add_argument("--text-field", default="text",
+                         help="JSON lines field or Parquet column holding the text")
+    prepare.add_argument("--skip-bad", action="store_true",
+                         help="skip and count bad records (invalid JSON, missing/null/"
+                         "non-string field, text that is not UTF-8) instead of stopping at "
+                         "the first; unsupported or corrupt files stay errors")
+
+    report = command("report", help="plots (PNG) and a summary of a run directory; "
+                            "works while the run is going")
+    report.add_argument("run_dir")
+    report.add_argument("--out", help="where the PNGs and summary.txt go (default: "
+                        "RUN_DIR/report)")
     return parser
 
 
@@ -87,11 +109,12 @@ def _prepare(args: argparse.Namespace) -> int:
     labels = [f"stdlib:{prepare.stdlib_root()}"] if args.stdlib else None
     start = time.perf_counter()
     manifest = prepare.prepare_corpus(inputs, args.out, tok, text_field=args.text_field,
-                                      input_labels=labels)
+                                      input_labels=labels, skip_bad=args.skip_bad)
     seconds = time.perf_counter() - start
     print(json.dumps({"out": args.out, "documents": manifest.documents,
                       "tokens": manifest.tokens, "shards": len(manifest.shards),
-                      "tokenizer": manifest.tokenizer, "seconds": round(seconds, 2),
+                      "tokenizer": manifest.tokenizer, "skipped_bad": manifest.skipped_bad,
+                      "seconds": round(seconds, 2),
                       "tokens_per_s": round(manifest.tokens / seconds)}))
     return 0
 
@@ -140,8 +163,23 @@ def _use_cpu_devices(n: int, platform: str | None = None) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from europa_jax import report
+
+    try:
+        summary = report.write_report(args.run_dir, args.out)
+    except report.ReportError as e:
+        print(f"europa-jax: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    print(report.format_summary(summary))
+    return exit_codes.OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logs.configure(args.verbosity)
+    if args.command == "report":  # no jax
+        return _report(args)
     if args.command != "plan":  # plan chooses the platform first (_plan)
         jax_start.default_to_cpu_without_driver()
         jax_start.import_quietly()
@@ -152,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
-            _use_cpu_devices(cfg.mesh.n_devices)
+            from europa_jax import distributed
             from europa_jax.hf_import import import_hf
 
+            distributed.start(cfg.mesh)  # every process reads and saves its own shards
             print(json.dumps(import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)))
             return exit_codes.OK
         if args.command == "plan":

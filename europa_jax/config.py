@@ -229,6 +229,18 @@ class OptimConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MixtureSource:
+    """One prepared corpus of a mixture (data.sources) and its share of every batch."""
+
+    path: str
+    weight: float
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ConfigError(f"data.sources: {self.path}: weight {self.weight} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Input pipeline (europa_jax/data.py): which corpus, how rows are packed and balanced."""
 
@@ -236,6 +248,10 @@ class DataConfig:
     # prepared: a directory written by `europa-jax prepare` (data.path).
     source: Literal["stdlib", "prepared"] = "stdlib"
     path: str | None = None
+    # A weighted mixture of prepared corpora made with one tokenizer, instead of `path`:
+    # [{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]; weights are
+    # normalized, and every batch holds each corpus's share of its tokens (data_plan.py).
+    sources: tuple[MixtureSource, ...] = ()
     # Expected tokenizer ("bytes" or a tokenizer.json); a corpus prepared with another one
     # is refused.  null: trust the corpus manifest.
     tokenizer: str | None = None
@@ -247,6 +263,11 @@ class DataConfig:
     balance: bool = True
     # Batches prepared ahead in a background thread (0: made on demand).
     prefetch: int = 2
+    # Validation documents (train.eval_every): a fraction of this corpus's documents held
+    # out of training (chosen by a hash of the document index and data.seed: the same
+    # split on every process and every resume), or a prepared corpus of its own.
+    validation_fraction: float = 0.0
+    validation_path: str | None = None
 
     def __post_init__(self):
         _positive(self, "seq_len", "global_batch_size")
@@ -259,9 +280,21 @@ class DataConfig:
             raise ConfigError(f"data.seed: {self.seed} must be in [0, 2**32)")
         if self.prefetch < 0:
             raise ConfigError(f"data.prefetch: {self.prefetch} must be >= 0")
-        if self.source == "prepared" and not self.path:
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"data.validation_fraction: {self.validation_fraction} must be in "
+                              "[0, 1)")
+        if self.validation_fraction and self.validation_path:
+            raise ConfigError(f"data.validation_path: {self.validation_path!r} and "
+                              f"data.validation_fraction {self.validation_fraction}: choose one")
+        if self.sources and (self.source != "prepared" or self.path):
+            raise ConfigError("data.sources: a mixture needs data.source: prepared and no "
+                              f"data.path (got source {self.source!r}, path {self.path!r})")
+        paths = [s.path for s in self.sources]
+        if len(set(paths)) != len(paths):
+            raise ConfigError(f"data.sources: a corpus appears twice in {paths}")
+        if self.source == "prepared" and not (self.path or self.sources):
             raise ConfigError("data.path: required when data.source is 'prepared' (a directory "
-                              "written by `europa-jax prepare`)")
+                              "written by `europa-jax prepare`), or data.sources for a mixture")
         if self.source == "stdlib" and self.path is not None:
             raise ConfigError(f"data.path: {self.path!r} is only used with data.source: prepared")
         if self.source == "stdlib" and self.tokenizer not in (None, "bytes"):
@@ -279,9 +312,23 @@ class TrainConfig:
     peak_flops_per_device: dict[str, float] = field(
         default_factory=lambda: {"gpu": 989e12, "cpu": 1e11, "tpu": 918e12})
     run_dir: str = "runs/default"
+    # Validation loss every N steps (0: never) on the first `eval_batches` batches of the
+    # validation documents (data.validation_*): the same batches every time.
+    eval_every: int = 0
+    eval_batches: int = 2
+    # A jax.profiler trace of steps [a, b] (1-based, inclusive) into <run_dir>/profile,
+    # from process 0 or, with profile_all_processes, from each process.
+    profile_steps: tuple[int, ...] = ()
+    profile_all_processes: bool = False
 
     def __post_init__(self):
-        _positive(self, "steps", "log_every")
+        _positive(self, "steps", "log_every", "eval_batches")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every: {self.eval_every} must be >= 0 (0: never)")
+        steps = self.profile_steps
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] with "
+                              "1 <= first <= last, or [] for none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,6 +383,10 @@ class Config:
         if data.seq_len > m.max_position_embeddings:
             raise ConfigError(f"data.seq_len: {data.seq_len} > model.max_position_embeddings="
                               f"{m.max_position_embeddings}")
+        if self.train.eval_every and not (data.validation_fraction or data.validation_path):
+            raise ConfigError(f"train.eval_every: {self.train.eval_every} but there are no "
+                              "validation documents (set data.validation_fraction or "
+                              "data.validation_path)")
         from europa_jax.tokenizer import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
 
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:

@@ -86,6 +86,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             allowed = ", ".join(map(str, typing.get_args(hint)))
             raise ConfigError(f"{key}: {value!r} is not one of: {allowed}")
         return value
+    if origin is tuple:  # `tuple[int, ...]`: a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        inner = typing.get_args(hint)[0]
+        return tuple(_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")

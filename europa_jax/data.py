@@ -32,30 +32,13 @@ import atexit
 import hashlib
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import grain
 import numpy as np
 
 from europa_jax import packing
 from europa_jax.config import MIN_SEQ_LEN
-from europa_jax.corpus import MANIFEST, DataError, TokenCorpus
-
-if TYPE_CHECKING:
-    from europa_jax.config import Config
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchPlan:
-    """One global batch: pieces of documents and the (rank-laid-out) row each goes to."""
-
-    index: int
-    doc_P: np.ndarray
-    start_P: np.ndarray
-    length_P: np.ndarray
-    row_P: np.ndarray       # sorted; pieces of a row are in stream order
-    rank_cost_N: np.ndarray
+from europa_jax.corpus import DataError, TokenCorpus
+from europa_jax.data_plan import BatchPlan, Planner, Stream
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,75 +49,32 @@ class BatchStats:
     attention_cost_max_over_mean: float
     rank_cost_N: np.ndarray   # Σ piece length² per rank (every rank holds R/N · S tokens)
     documents_split: int      # documents cut into more than one piece in this batch
-
-
-class _Planner:
-    """Chunks the shuffled document stream and packs each chunk into a global batch."""
-
-    def __init__(self, corpus: TokenCorpus, order: grain.MapDataset, *, seq_len: int,
-                 n_rows: int, n_ranks: int, balance: bool):
-        self.corpus, self.order = corpus, order
-        self.seq_len, self.n_rows, self.n_ranks, self.balance = seq_len, n_rows, n_ranks, balance
-        self.mean_length = max(1.0, corpus.manifest.tokens / corpus.manifest.documents)
-
-    def _chunk(self, position: int, offset: int):
-        """Pieces covering the next R·S stream tokens from (position, offset), and the end."""
-        need = self.n_rows * self.seq_len
-        docs, starts, lengths = [], [], []
-        while need:
-            # Fetch a little more than the expected number of documents in one go.
-            block = min(1 << 16, int(need / self.mean_length * 1.1) + 8)
-            ids = np.array([self.order[i] for i in range(position, position + block)],
-                           dtype=np.int64)
-            start = np.zeros(block, dtype=np.int64)
-            start[0] = offset
-            avail = self.corpus.lengths(ids) - start
-            cum = np.cumsum(avail)
-            k = int(np.searchsorted(cum, need))  # first document that reaches `need`
-            if k == block:  # the block did not cover the chunk: take it all, fetch more
-                docs.append(ids), starts.append(start), lengths.append(avail)
-                need -= int(cum[-1])
-                position, offset = position + block, 0
-                continue
-            take = avail[:k + 1].copy()
-            take[k] = need - (int(cum[k - 1]) if k else 0)
-            docs.append(ids[:k + 1]), starts.append(start[:k + 1]), lengths.append(take)
-            if take[k] == avail[k]:
-                position, offset = position + k + 1, 0
-            else:  # the rest of document k opens the next batch
-                position, offset = position + k, int(start[k] + take[k])
-            need = 0
-        return (np.concatenate(docs), np.concatenate(starts), np.concatenate(lengths),
-                position, offset)
-
-    def plan(self, index: int, position: int, offset: int) -> tuple[BatchPlan, int, int]:
-        doc_C, start_C, length_C, position, offset = self._chunk(position, offset)
-        placed = packing.pack(length_C, seq_len=self.seq_len, n_ranks=self.n_ranks,
-                              balance=self.balance)
-        piece_P = placed.piece_P
-        plan = BatchPlan(index=index, doc_P=doc_C[piece_P],
-                         start_P=start_C[piece_P] + placed.offset_P, length_P=placed.length_P,
-                         row_P=placed.row_P,
-                         rank_cost_N=packing.rank_cost(placed.row_cost(self.n_rows),
-                                                       self.n_ranks))
-        return plan, position, offset
+    documents_P: np.ndarray   # corpus index of each piece in this process's rows
+    sources_P: np.ndarray     # the source (data.sources) of each of those pieces
+    source_tokens_K: np.ndarray  # tokens of each source in the whole global batch
+    source_epochs_K: np.ndarray  # epochs of each source's documents consumed so far
 
 
 class _PlanIterator(grain.DatasetIterator):
-    def __init__(self, planner: _Planner, fingerprint: dict):
+    def __init__(self, planner: Planner, fingerprint: dict):
         super().__init__()
         self._planner, self._fingerprint = planner, fingerprint
-        self._batch = self._position = self._offset = 0
+        self._batch = 0
+        self._positions = [0] * len(planner.streams)
+        self._offsets = [0] * len(planner.streams)
 
     def __next__(self) -> BatchPlan:
-        plan, self._position, self._offset = self._planner.plan(self._batch, self._position,
-                                                                self._offset)
+        plan, self._positions, self._offsets = self._planner.plan(
+            self._batch, self._positions, self._offsets)
         self._batch += 1
         return plan
 
     def get_state(self) -> dict:
-        return {"batch": self._batch, "position": self._position, "offset": self._offset,
-                "pipeline": dict(self._fingerprint)}
+        if len(self._positions) == 1:  # one corpus: the state as it always was
+            where = {"position": self._positions[0], "offset": self._offsets[0]}
+        else:
+            where = {"positions": list(self._positions), "offsets": list(self._offsets)}
+        return {"batch": self._batch, **where, "pipeline": dict(self._fingerprint)}
 
     def set_state(self, state: dict) -> None:
         saved = state.get("pipeline")
@@ -143,12 +83,16 @@ class _PlanIterator(grain.DatasetIterator):
                     if (saved or {}).get(k) != v}
             raise DataError(f"data iterator state was saved for a different pipeline: saved "
                             f"{diff}, this run {({k: self._fingerprint[k] for k in diff})}")
-        self._batch, self._position, self._offset = (int(state["batch"]), int(state["position"]),
-                                                     int(state["offset"]))
+        self._batch = int(state["batch"])
+        if "positions" in state:
+            self._positions = [int(p) for p in state["positions"]]
+            self._offsets = [int(o) for o in state["offsets"]]
+        else:
+            self._positions, self._offsets = [int(state["position"])], [int(state["offset"])]
 
 
 class _PlanDataset(grain.IterDataset):
-    def __init__(self, order: grain.MapDataset, planner: _Planner, fingerprint: dict):
+    def __init__(self, order: grain.MapDataset, planner: Planner, fingerprint: dict):
         super().__init__(order)
         self._planner, self._fingerprint = planner, fingerprint
 
@@ -159,15 +103,21 @@ class _PlanDataset(grain.IterDataset):
 class _ReadRows:
     """Plan → this process's rows [lo, hi): reads only those rows' tokens."""
 
-    def __init__(self, corpus: TokenCorpus, *, lo: int, hi: int, seq_len: int):
-        self.corpus, self.lo, self.hi, self.seq_len = corpus, lo, hi, seq_len
-        self.vocab_size = int(corpus.manifest.tokenizer["vocab_size"])
+    def __init__(self, corpora: list[TokenCorpus], *, lo: int, hi: int, seq_len: int):
+        self.corpora, self.lo, self.hi, self.seq_len = corpora, lo, hi, seq_len
+        self.vocab_size = int(corpora[0].manifest.tokenizer["vocab_size"])
 
     def __call__(self, plan: BatchPlan) -> dict:
         a, b = np.searchsorted(plan.row_P, [self.lo, self.hi])
         doc_P, start_P, length_P = plan.doc_P[a:b], plan.start_P[a:b], plan.length_P[a:b]
-        row_P = plan.row_P[a:b] - self.lo
-        pieces = self.corpus.read_many(doc_P, start_P, start_P + length_P)
+        source_P, row_P = plan.source_P[a:b], plan.row_P[a:b] - self.lo
+        pieces = [None] * len(doc_P)
+        for k in np.unique(source_P):
+            mine = np.flatnonzero(source_P == k)
+            read = self.corpora[k].read_many(doc_P[mine], start_P[mine],
+                                             start_P[mine] + length_P[mine])
+            for i, piece in zip(mine, read):
+                pieces[i] = piece
         shape = (self.hi - self.lo, self.seq_len)
         # Pieces are sorted by row and every row is exactly full, so the concatenation
         # is the row-major token matrix.
@@ -179,8 +129,9 @@ class _ReadRows:
         if int(tokens_BS.max(initial=0)) >= self.vocab_size:
             bad = int(np.searchsorted(np.cumsum(length_P), np.argmax(tokens_BS >= self.vocab_size),
                                       side="right"))
-            raise DataError(f"{self.corpus.path}: document {doc_P[bad]} holds a token id >= "
-                            f"the manifest's vocab {self.vocab_size}; the shard is corrupt")
+            raise DataError(f"{self.corpora[source_P[bad]].path}: document {doc_P[bad]} holds "
+                            f"a token id >= the manifest's vocab {self.vocab_size}; the shard "
+                            "is corrupt")
         rank_cost_N = plan.rank_cost_N
         return {"tokens": tokens_BS,
                 "segment_ids": np.repeat(segment_P, length_P).astype(np.int32).reshape(shape),
@@ -189,7 +140,17 @@ class _ReadRows:
                     batch=plan.index,
                     attention_cost_max_over_mean=packing.max_over_mean(rank_cost_N),
                     rank_cost_N=rank_cost_N,
-                    documents_split=int(len(plan.doc_P) - len(np.unique(plan.doc_P))))}
+                    documents_split=_documents_split(plan),
+                    documents_P=doc_P, sources_P=source_P,
+                    source_tokens_K=plan.source_tokens_K,
+                    source_epochs_K=plan.source_epochs_K)}
+
+
+def _documents_split(plan: BatchPlan) -> int:
+    """Documents cut into more than one piece in this batch (a document is its source and
+    its index)."""
+    keys = plan.source_P * (int(plan.doc_P.max(initial=0)) + 1) + plan.doc_P
+    return int(len(keys) - len(np.unique(keys)))
 
 
 class BatchIterator(grain.DatasetIterator):
@@ -231,31 +192,76 @@ def _close_live_iterators() -> None:
         iterator._parents = ()
 
 
-def make_batch_iterator(corpus: TokenCorpus, *, seq_len: int, global_batch_size: int,
-                        n_ranks: int = 1, seed: int = 0, balance: bool = True,
-                        max_documents: int | None = None, process_index: int = 0,
-                        process_count: int = 1, prefetch: int = 2) -> BatchIterator:
-    """Infinite iterator of this process's rows [i·B, (i+1)·B), B = global_batch_size / P."""
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """One corpus of a mixture, its share of every batch's tokens, and which of its
+    documents to draw from (None: all, or the first `max_documents`)."""
+
+    corpus: TokenCorpus
+    weight: float = 1.0
+    documents: np.ndarray | None = None
+
+
+def make_batch_iterator(corpus: TokenCorpus, *, documents: np.ndarray | None = None,
+                        **kwargs) -> BatchIterator:
+    """Infinite iterator of this process's rows [i·B, (i+1)·B), B = global_batch_size / P,
+    from one corpus (make_mixture_iterator's keyword arguments).
+
+    `documents`: the corpus indices to draw from (e.g. split_documents' training part);
+    default all (the first `max_documents`).
+    """
+    return make_mixture_iterator([Source(corpus=corpus, documents=documents)], **kwargs)
+
+
+def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_size: int,
+                          n_ranks: int = 1, seed: int = 0, balance: bool = True,
+                          max_documents: int | None = None, process_index: int = 0,
+                          process_count: int = 1, prefetch: int = 2) -> BatchIterator:
+    """This process's rows of global batches mixing `sources` by weight (data_plan.py)."""
     _validate(seq_len=seq_len, global_batch_size=global_batch_size, n_ranks=n_ranks, seed=seed,
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)
-    n_documents = min(len(corpus), max_documents or len(corpus))
-    fingerprint = {"corpus": _corpus_id(corpus), "documents": n_documents, "seq_len": seq_len,
-                   "global_batch_size": global_batch_size, "n_ranks": n_ranks, "seed": seed,
-                   "balance": balance}
-    # repeat() after shuffle: the shuffle reseeds per epoch (index // length), so every
-    # epoch is a new permutation; indexing it is O(1) memory, never a materialized list.
-    order = grain.MapDataset.range(n_documents).shuffle(seed=seed).repeat()
-    planner = _Planner(corpus, order, seq_len=seq_len, n_rows=global_batch_size,
-                       n_ranks=n_ranks, balance=balance)
+    streams, prints = [], []
+    for k, source in enumerate(sources):
+        # one corpus keeps the seed as it always was; the others derive theirs from it
+        stream, ident = _stream(source, max_documents, (seed + 1_000_003 * k) % 2**32)
+        streams.append(stream)
+        prints.append(ident if len(sources) == 1 else {**ident, "weight": source.weight})
+    shape = {"seq_len": seq_len, "global_batch_size": global_batch_size, "n_ranks": n_ranks,
+             "seed": seed, "balance": balance}
+    fingerprint = ({**prints[0], **shape} if len(sources) == 1
+                   else {"sources": prints, **shape})
+    planner = Planner(streams, [s.weight for s in sources], seq_len=seq_len,
+                      n_rows=global_batch_size, n_ranks=n_ranks, balance=balance)
     rows = global_batch_size // process_count
-    dataset = _PlanDataset(order, planner, fingerprint).map(
-        _ReadRows(corpus, lo=process_index * rows, hi=(process_index + 1) * rows,
-                  seq_len=seq_len))
+    dataset = _PlanDataset(streams[0].order, planner, fingerprint).map(
+        _ReadRows([s.corpus for s in sources], lo=process_index * rows,
+                  hi=(process_index + 1) * rows, seq_len=seq_len))
     if prefetch:
         dataset = grain.experimental.ThreadPrefetchIterDataset(
             dataset, prefetch_buffer_size=prefetch)
     return BatchIterator(iter(dataset))
+
+
+def _stream(source: Source, max_documents: int | None, seed: int) -> tuple[Stream, dict]:
+    """A source's document stream and what identifies it in the iterator's fingerprint."""
+    corpus = source.corpus
+    n_documents = min(len(corpus), max_documents or len(corpus))
+    ident = {"corpus": _corpus_id(corpus), "documents": n_documents}
+    # repeat() after shuffle: the shuffle reseeds per epoch (index // length), so every
+    # epoch is a new permutation; indexing it is O(1) memory, never a materialized list.
+    if source.documents is None:
+        order = grain.MapDataset.range(n_documents).shuffle(seed=seed).repeat()
+        return Stream(corpus=corpus, order=order, n_documents=n_documents), ident
+    documents = np.asarray(source.documents, dtype=np.int64)
+    if not len(documents) or documents.max() >= len(corpus) or documents.min() < 0:
+        raise DataError(f"{corpus.path}: documents to draw from must be a non-empty "
+                        f"subset of its {len(corpus)} documents")
+    ident.update(documents=len(documents), document_ids=hashlib.sha256(
+        documents.astype("<i8").tobytes()).hexdigest()[:16])
+    order = (grain.MapDataset.range(len(documents)).shuffle(seed=seed).repeat()
+             .map(lambda i: int(documents[i])))
+    return Stream(corpus=corpus, order=order, n_documents=len(documents)), ident
 
 
 def _corpus_id(corpus: TokenCorpus) -> str:
@@ -282,49 +288,3 @@ def _validate(*, seq_len, global_batch_size, n_ranks, seed, max_documents, proce
         raise DataError(f"data.max_documents: {max_documents} must be >= 1 or null (all)")
     if prefetch < 0:
         raise DataError(f"data.prefetch: {prefetch} must be >= 0")
-
-
-# ----------------------------------------------------------------------------- from a config
-
-
-def open_corpus(cfg: Config) -> TokenCorpus:
-    """The configured corpus, checked against the model's vocab and the expected tokenizer."""
-    from europa_jax import prepare
-
-    data = cfg.data
-    path = prepare.stdlib_corpus() if data.source == "stdlib" else Path(data.path)
-    corpus = TokenCorpus(path)
-    manifest_path = path / MANIFEST
-    vocab = int(corpus.manifest.tokenizer["vocab_size"])
-    if vocab > cfg.model.vocab_size:
-        raise DataError(f"{manifest_path}: tokenizer vocab {vocab} > model.vocab_size "
-                        f"{cfg.model.vocab_size}; the model cannot embed every token")
-    if data.tokenizer is not None:
-        kind, sha = _tokenizer_identity(data.tokenizer)
-        have = corpus.manifest.tokenizer
-        if (kind, sha) != (have["kind"], have.get("sha256")):
-            raise DataError(f"{manifest_path}: corpus was prepared with {have['kind']} "
-                            f"'{have['name']}' (sha256 {str(have.get('sha256'))[:12]}) but "
-                            f"data.tokenizer is {data.tokenizer} (sha256 {str(sha)[:12]})")
-    return corpus
-
-
-def _tokenizer_identity(spec: str) -> tuple[str, str | None]:
-    if spec == "bytes":
-        return "bytes", None
-    try:
-        return "huggingface", hashlib.sha256(Path(spec).read_bytes()).hexdigest()
-    except OSError as e:
-        raise DataError(f"data.tokenizer: {spec}: cannot read ({e.strerror or e}); expected "
-                        "'bytes' or a tokenizer.json") from None
-
-
-def batch_iterator_for(cfg: Config, *, process_index: int = 0, process_count: int = 1
-                       ) -> BatchIterator:
-    """The loop's iterator: ranks are the mesh's devices (the batch is sharded over all)."""
-    data = cfg.data
-    return make_batch_iterator(
-        open_corpus(cfg), seq_len=data.seq_len, global_batch_size=data.global_batch_size,
-        n_ranks=cfg.mesh.n_devices, seed=data.seed, balance=data.balance,
-        max_documents=data.max_documents, process_index=process_index,
-        process_count=process_count, prefetch=data.prefetch)

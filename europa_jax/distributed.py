@@ -23,6 +23,7 @@ so `start` must run before anything touches a device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -30,8 +31,10 @@ import sys
 import traceback
 from typing import Mapping
 
-from europa_jax import exit_codes
+from europa_jax import exit_codes, logs
 from europa_jax.config import ConfigError, MeshConfig, check_device_count
+
+log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "EUROPA_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EUROPA_JAX_NUM_PROCESSES"
@@ -160,6 +163,8 @@ def cpu_devices_per_process(mesh: MeshConfig, launch: Launch) -> int:
 def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
     """Connect this process to the job (if it has several) and check the mesh fits it."""
     launch = detect(env)
+    logs.ensure_configured()
+    logs.set_rank(launch.process_id, launch.num_processes)
     import jax
 
     # Ignored on GPU hosts, where the CPU backend holds no mesh devices.
@@ -168,10 +173,9 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # If a peer never arrives, jax ends this process itself (an abort naming
         # DEADLINE_EXCEEDED and RegisterTask): this line says what it waited for.
-        print(f"europa-jax: process {launch.process_id} of {launch.num_processes} "
-              f"({launch.launcher}) joining via {launch.coordinator or 'Slurm auto-detection'}; "
-              f"waiting up to {launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})",
-              file=sys.stderr, flush=True)
+        log.info(f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
+                 f"joining via {launch.coordinator or 'Slurm auto-detection'}; waiting up to "
+                 f"{launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})")
         try:
             jax.distributed.initialize(
                 launch.coordinator, launch.num_processes, launch.process_id,
@@ -186,10 +190,10 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
         sys.excepthook = _exit_at_once
     check_device_count(mesh, jax.device_count(),
                        devices_source(launch, jax.local_device_count(), jax.devices()[0].platform))
-    print(f"europa-jax: process {jax.process_index()} of {jax.process_count()} "
-          f"({launch.launcher}) on {launch.node}, pid {os.getpid()}, "
-          f"{jax.local_device_count()} local {jax.devices()[0].platform} devices of "
-          f"{jax.device_count()}", file=sys.stderr, flush=True)
+    logs.set_rank(jax.process_index(), jax.process_count())
+    log.info(f"process {jax.process_index()} of {jax.process_count()} ({launch.launcher}) on "
+             f"{launch.node}, pid {os.getpid()}, {jax.local_device_count()} local "
+             f"{jax.devices()[0].platform} devices of {jax.device_count()}")
     return launch
 
 
@@ -226,9 +230,8 @@ def job_mesh(mesh_cfg: MeshConfig):
     nodes = node_of_process()
     mesh = sharding.make_mesh(mesh_cfg, node_of_process=nodes)
     if jax.process_index() == 0:
-        print(f"europa-jax: mesh data={mesh_cfg.data} × expert={mesh_cfg.expert}; expert "
-              f"groups: {' '.join(expert_groups(mesh.devices, nodes))}", file=sys.stderr,
-              flush=True)
+        log.info(f"mesh data={mesh_cfg.data} × expert={mesh_cfg.expert}; expert groups: "
+                 f"{' '.join(expert_groups(mesh.devices, nodes))}")
     return mesh
 
 

@@ -41,13 +41,16 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * scale)
 
 
-def prepare_output(out_dir: Path, overwrite: bool) -> Path:
-    """Refuse a non-empty target unless asked; return the temporary directory to write."""
+def prepare_output(out_dir: Path, overwrite: bool, *, create: bool = True,
+                   tag: str | None = None) -> Path:
+    """Refuse a non-empty target unless asked; return the temporary directory to write
+    (made here if `create`; named by `tag` where several processes must agree on it)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise ConfigError(f"{out_dir}: exists and is not empty (pass --overwrite to replace it)")
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = out_dir.parent / f".{out_dir.name}.{tag or f'tmp-{os.getpid()}'}"
+    if create:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     return tmp
 
 

@@ -2,15 +2,19 @@
 
 Everything is checked before anything is written: config.json against the config (one
 line per mismatch), then every tensor name and shape against the names the config
-implies. The weights are then placed straight into their device shards: each device's
-slice is read from the safetensors files (`jax.make_array_from_callback`), so a host holds
-one HF tensor at a time, never the model. The result is a step-0 checkpoint with a fresh
-optimizer state and no data position, which `europa-jax train` resumes from by itself.
+implies. The weights are then placed straight into their device shards: for each of its
+devices' shards (`jax.make_array_from_callback` asks only for this process's), a process
+reads from the safetensors files just the block of the HF tensor that holds it
+(`read_region`: a slice, mapped through the transposes, reshapes and paddings between the
+layouts), so no host ever holds a whole tensor, let alone the model. Run under the same
+launcher as `train` (launch/local.sh, Slurm), every process reads its own shards and Orbax
+writes the checkpoint together. The result is a step-0 checkpoint with a fresh optimizer
+state and no data position, which `europa-jax train` resumes from by itself.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import math
 import re
@@ -22,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from europa_jax import checkpoint, hf_layout, sharding, train
+from jax.experimental import multihost_utils
+
+from europa_jax import checkpoint, distributed, hf_layout, train
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.export import commit_output, prepare_output
@@ -56,9 +62,12 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._file(name).get_slice(name).get_shape())
 
-    @functools.lru_cache(maxsize=8)  # a device callback asks for the same tensor per device
-    def tensor(self, name: str) -> np.ndarray:
-        return self._file(name).get_tensor(name)
+    def block(self, name: str, bounds: list[tuple[int, int]]) -> np.ndarray:
+        """HF tensor `name`[a0:b0, a1:b1, ...], read from disk without the rest of it."""
+        self.elements_read += math.prod(b - a for a, b in bounds)
+        return self._file(name).get_slice(name)[tuple(slice(a, b) for a, b in bounds)]
+
+    elements_read = 0  # what the blocks read so far (tests hold it against the shards)
 
 
 def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor], n_layers: int) -> None:
@@ -81,26 +90,78 @@ def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor], n_lay
                               f"the config implies {list(t.shape)}")
 
 
+def read_region(weights: SafetensorsDir, t: hf_layout.HFTensor, item_shape: tuple[int, ...],
+                region: list[tuple[int, int]]) -> np.ndarray:
+    """`from_hf(whole HF tensor)[region]` (our layout, one layer/expert item), reading only
+    the HF block that holds the region: its bounding box through the layout map."""
+    source = t.source
+    if source.shape is not None and tuple(source.shape) != tuple(item_shape):
+        # stored with zero padding (model.param_pad_multiple): read the model's part only
+        return _padded(region, source.shape, lambda inner: read_region(
+            weights, dataclasses.replace(t, source=dataclasses.replace(source, shape=None)),
+            tuple(source.shape), inner))
+    if source.kind == "embedding":  # ours [V_pad, D] = HF [V, D], padding rows zero
+        return _padded(region, t.shape, lambda inner: weights.block(t.name, inner))
+    if source.kind == "lm_head":  # ours [D, V_pad] = HF [V, D]ᵀ
+        return _padded(region, t.shape[::-1], lambda inner: weights.block(
+            t.name, inner[::-1]).T)
+    if source.kind == "vector":  # ours = HF reshaped
+        return _flat_region(region, item_shape, lambda lo, hi: weights.block(
+            t.name, [(lo, hi)]) if len(t.shape) == 1 else weights.block(
+                t.name, [(0, n) for n in t.shape]).reshape(-1)[lo:hi])
+    # linear/expert: ours = HF[out_flat, in_flat]ᵀ reshaped to (in dims..., out dims...)
+    n_in = source.n_in
+    in_idx, in_lo, in_hi = _flat_indices(region[:n_in], item_shape[:n_in])
+    out_idx, out_lo, out_hi = _flat_indices(region[n_in:], item_shape[n_in:])
+    block = weights.block(t.name, [(out_lo, out_hi), (in_lo, in_hi)]).T
+    if len(in_idx) < in_hi - in_lo or len(out_idx) < out_hi - out_lo:  # not a plain block
+        block = block[np.ix_(in_idx - in_lo, out_idx - out_lo)]
+    return block.reshape([b - a for a, b in region])
+
+
+def _flat_indices(region, shape) -> tuple[np.ndarray, int, int]:
+    """Row-major flat indices of a box in `shape`, and their bounding range."""
+    grids = np.meshgrid(*[np.arange(a, b) for a, b in region], indexing="ij")
+    flat = (np.ravel_multi_index([g.ravel() for g in grids], shape) if region
+            else np.zeros(1, np.int64))
+    return flat, int(flat.min()), int(flat.max()) + 1
+
+
+def _flat_region(region, shape, read_flat) -> np.ndarray:
+    flat, lo, hi = _flat_indices(region, shape)
+    return read_flat(lo, hi)[flat - lo].reshape([b - a for a, b in region])
+
+
+def _padded(region, real_shape, read) -> np.ndarray:
+    """`region` of an array that is `read` inside `real_shape` and zero beyond it."""
+    inner = [(a, max(a, min(b, n))) for (a, b), n in zip(region, real_shape)]
+    got = read(inner) if all(b > a for a, b in inner) else None
+    if got is not None:
+        out = np.zeros([b - a for a, b in region], got.dtype)
+        out[tuple(slice(0, b - a) for a, b in inner)] = got
+        return out
+    return None  # all padding: the caller's zeros
+
+
 def _leaf_array(key: str, abstract, sharding_, sources: dict[tuple[int, ...], hf_layout.HFTensor],
                 weights: SafetensorsDir):
-    """One state leaf, built shard by shard from the HF tensors that make it up."""
+    """One state leaf, built shard by shard from the blocks of the HF tensors in it."""
     n_lead = len(next(iter(sources)))
     dtype = np.dtype(abstract.dtype)
+    item_shape = tuple(abstract.shape[n_lead:])
 
-    def region(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(s.indices(n) for s, n in zip(index, abstract.shape))
-        lead = [range(*r) for r in index[:n_lead]]
-        rest = tuple(slice(*r) for r in index[n_lead:])
-        out = np.empty([len(r) for r in lead] + [len(range(*r)) for r in index[n_lead:]], dtype)
-        for position in np.ndindex(*[len(r) for r in lead]):
-            item = tuple(r[i] for r, i in zip(lead, position))
-            t = sources[item]
-            hf = weights.tensor(t.name)
-            ours = hf_layout.from_hf(hf, t.source, abstract.shape[n_lead:])
-            out[position] = ours[rest].astype(dtype)  # bf16 → f32 is exact
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        index = [range(*s.indices(n)) for s, n in zip(index, abstract.shape)]
+        region = [(r.start, r.stop) for r in index[n_lead:]]
+        out = np.zeros([len(r) for r in index], dtype)
+        for position in np.ndindex(*[len(r) for r in index[:n_lead]]):
+            item = tuple(r[i] for r, i in zip(index[:n_lead], position))
+            got = read_region(weights, sources[item], item_shape, region)
+            if got is not None:  # None: the region is all storage padding
+                out[position] = got.astype(dtype)  # bf16 → f32 is exact
         return out
 
-    return jax.make_array_from_callback(abstract.shape, sharding_, region)
+    return jax.make_array_from_callback(abstract.shape, sharding_, shard)
 
 
 def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
@@ -117,7 +178,7 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
     hf_layout.check_hf_config(hf_config, cfg.model, str(config_path))
     weights = SafetensorsDir(hf_dir)
 
-    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
+    trainer = train.build_trainer(cfg, distributed.job_mesh(cfg.mesh))
     abstract = {checkpoint.leaf_key(path): leaf for path, leaf in
                 jax.tree_util.tree_flatten_with_path({"params": trainer.abstract_params})[0]}
     abstract[hf_layout.ROUTER_BIAS] = jax.ShapeDtypeStruct(
@@ -125,7 +186,11 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
     plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in abstract.items()},
                                   checkpoint.model_param_shapes(cfg)))
     check_weights(weights, plan, cfg.model.n_layers)
-    tmp = prepare_output(run_dir, overwrite)
+    # Every process checks the target (the same answer everywhere), process 0 makes the
+    # directory all of them write into; Orbax then saves from every process.
+    tmp = prepare_output(run_dir, overwrite, create=jax.process_index() == 0,
+                         tag="importing")
+    multihost_utils.sync_global_devices("europa-jax import: output directory")
     try:
         by_key: dict[str, dict] = {}
         for t in plan:
@@ -149,10 +214,16 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
         saver = checkpoint.Checkpointer(cfg, tmp, trainer)
         saver.save(0, state, None, reason="import", extra={"imported_from": str(hf_dir)})
         saver.close()
-        (tmp / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        commit_output(tmp, run_dir)
+        multihost_utils.sync_global_devices("europa-jax import: saved")
+        if jax.process_index() == 0:
+            (tmp / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            commit_output(tmp, run_dir)
+        multihost_utils.sync_global_devices("europa-jax import: committed")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if jax.process_index() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     n_params = sum(math.prod(v.shape) for k, v in abstract.items() if k.startswith("params."))
-    return {"run_dir": str(run_dir), "tensors": len(plan), "params": n_params}
+    return {"run_dir": str(run_dir), "tensors": len(plan), "params": n_params,
+            "process": jax.process_index(), "processes": jax.process_count(),
+            "hf_elements_read_by_this_process": weights.elements_read}

@@ -6,9 +6,9 @@ saves (checkpoint.py), agreed stop requests (preemption.py), the non-finite poli
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
+import logging
+import math
 import time
 from pathlib import Path
 from typing import Iterator
@@ -16,11 +16,15 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax import checkpoint, data, distributed, flops
+from europa_jax import (checkpoint, data, data_sources, distributed, flops, logs, offload,
+                        run_log)
 from europa_jax.config import CheckpointConfig, Config, check_device_count
 from europa_jax.config_loader import to_dict
 from europa_jax.preemption import Preempted, StopRequests
-from europa_jax.train import Trainer, build_trainer, init_state, jit_train_step
+from europa_jax.run_log import EventLog, MetricsLog
+from europa_jax.train import Trainer, build_trainer, init_state, jit_eval_step, jit_train_step
+
+log = logging.getLogger(__name__)
 
 
 def device_batches(trainer: Trainer, host_batches: Iterator[dict[str, np.ndarray]]):
@@ -36,7 +40,7 @@ def device_batches(trainer: Trainer, host_batches: Iterator[dict[str, np.ndarray
 
 def host_batch_iterator(cfg: Config) -> data.BatchIterator:
     """This process's rows of each balanced global batch; checkpoint it with get/set_state."""
-    return data.batch_iterator_for(cfg, process_index=jax.process_index(),
+    return data_sources.batch_iterator_for(cfg, process_index=jax.process_index(),
                                    process_count=jax.process_count())
 
 
@@ -47,8 +51,10 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     Raises `Preempted` after saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite
     step under `checkpoint.nan_policy`.
     """
+    logs.ensure_configured()
     check_device_count(cfg.mesh, jax.device_count())
     host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
+    validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
     is_primary = jax.process_index() == 0
     if is_primary:
@@ -65,28 +71,40 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
         host_batches.set_state(restored.data_state)
     step_fn = jit_train_step(trainer)
     guard = NonFiniteGuard(cfg.checkpoint)
+    profiler = Profiler(cfg, run_dir)
     logged = []
-    progress = _progress(cfg.train.steps, start_step)
+    progress, log_line = run_log.progress(cfg.train.steps, start_step)
     try:
-        with _metrics_file(run_dir, start_step, is_primary) as log, jax.set_mesh(mesh), \
-                StopRequests() as stop:
+        with MetricsLog(run_dir, start_step, is_primary, to_dict(cfg)) as metrics_log, \
+                jax.set_mesh(mesh), StopRequests() as stop:
             batches = device_batches(trainer, host_batches)
             for step in range(start_step, cfg.train.steps):
                 host_batch, batch = next(batches)
                 # Taken right after the batch is drawn: the position a resume starts from.
                 data_state = host_batches.get_state()
+                done = step + 1
+                profiler.before(done)
                 start = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step: honest step time
-                done = step + 1
+                step_time = time.perf_counter() - start
+                profiler.after(done)
+                if step == start_step:
+                    memory = memory_report(state)
+                    events("memory", run_log.memory_line(done, memory), step=done, **memory)
                 if step % cfg.train.log_every == 0 or done == cfg.train.steps:
-                    logged.append(_record(
-                        cfg, done, metrics, time.perf_counter() - start, host_batch,
-                        compiled=step == start_step,
-                        attention_cost_max_over_mean=host_batches.stats.attention_cost_max_over_mean))
-                    log(logged[-1])
+                    logged.append(_record(cfg, done, metrics, step_time, host_batch,
+                                          compiled=step == start_step,
+                                          stats=host_batches.stats))
+                    metrics_log(logged[-1])
+                    log_line(logged[-1])
                 progress(step, metrics)
                 guard.check(done, metrics, events)  # raises NonFiniteStop: nothing saved
+                if validation and done % cfg.train.eval_every == 0:
+                    record = validation.evaluate(trainer, state, done)
+                    metrics_log(record)
+                    log.info(f"step {done} val_loss {record['val_loss']:.4f} perplexity "
+                             f"{record['val_perplexity']:.2f} ({record['val_tokens']:,} tokens)")
                 stopping = stop.agreed()  # same answer on every process, after the same step
                 if stopping or ckpt.due(done):
                     reason = ("preempted" if stopping else
@@ -97,21 +115,28 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
                     events("preempted", step=done, signal=stop.signal_name)
                     raise Preempted(done, stop.signal_name)
     finally:
+        profiler.close()
         ckpt.close()  # waits for the last async write, also when stopping
     progress(None, None)
     return logged
 
 
 def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
-            compiled: bool, attention_cost_max_over_mean: float) -> dict:
+            compiled: bool, stats: data.BatchStats) -> dict:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     peak = cfg.train.peak_flops_per_device.get(jax.devices()[0].platform, float("nan"))
     pairs = flops.causal_pairs(host_batch["segment_ids"]) * jax.process_count()
     step_flops = flops.train_flops(cfg.model, tokens_per_step, pairs)
-    return {"step": step, **{k: float(v) for k, v in metrics.items()}, "step_time_s": step_time,
-            "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
-            "mfu": step_flops / step_time / jax.device_count() / peak,
-            "attention_cost_max_over_mean": attention_cost_max_over_mean, "compiled": compiled}
+    values = {k: np.asarray(v).tolist() if np.ndim(v) else float(v) for k, v in metrics.items()}
+    record = {"step": step, **values, "step_time_s": step_time,
+              "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
+              "mfu": step_flops / step_time / jax.device_count() / peak,
+              "attention_cost_max_over_mean": stats.attention_cost_max_over_mean,
+              "compiled": compiled}
+    if len(stats.source_tokens_K) > 1:  # a mixture (data.sources): each source's share, epochs
+        record["source_token_fraction"] = (stats.source_tokens_K / tokens_per_step).tolist()
+        record["source_epochs"] = stats.source_epochs_K.tolist()
+    return record
 
 
 class NonFiniteStop(Exception):
@@ -145,62 +170,78 @@ class NonFiniteGuard:
                                 "the last checkpoint is the last good state")
 
 
-class EventLog:
-    """Checkpoint, resume, preemption and non-finite events: stderr and events.jsonl."""
+class Validation:
+    """Held-out loss on the first `train.eval_batches` batches of the validation documents.
 
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.path, self.enabled = run_dir / "events.jsonl", enabled
+    The batches are drawn once and kept on the devices (a few rows per device), so every
+    evaluation sees exactly the same tokens; the forward is the training step's, sharded the
+    same way, with no update.
+    """
 
-    def __call__(self, event: str, **fields) -> None:
-        if not self.enabled:
-            return
-        record = {"event": event, **fields, "time": time.time()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        details = " ".join(f"{k}={v}" for k, v in fields.items())
-        print(f"europa-jax: {event} {details}", file=sys.stderr, flush=True)
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        # Opened now, so that a bad validation corpus fails before any compile.
+        self._host = data_sources.validation_iterator_for(cfg, process_index=jax.process_index(),
+                                                  process_count=jax.process_count())
+        self._batches = None
+        self._step_fn = None
 
-
-@contextlib.contextmanager
-def _metrics_file(run_dir: Path, start_step: int, enabled: bool):
-    """metrics.jsonl keeps the records up to the resumed step, so it reads as one run."""
-    if not enabled:
-        yield lambda record: None
-        return
-    path = run_dir / "metrics.jsonl"
-    kept = []
-    if start_step and path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= start_step]
-    with path.open("w") as f:
-        f.writelines(line + "\n" for line in kept)
-        f.flush()
-
-        def write(record):
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-
-        yield write
+    def evaluate(self, trainer: Trainer, state, step: int) -> dict:
+        if self._batches is None:
+            drawn = zip(range(self.cfg.train.eval_batches), device_batches(trainer, self._host))
+            self._batches = [device_batch for _, (_, device_batch) in drawn]
+            self._host.close()
+            self._step_fn = jit_eval_step(trainer)
+        results = [self._step_fn(state, batch) for batch in self._batches]
+        losses, counts = (np.array(x, dtype=np.float64) for x in zip(*jax.device_get(results)))
+        loss = float((losses * counts).sum() / max(counts.sum(), 1.0))
+        return {"step": step, "val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
+                "val_tokens": int(counts.sum())}
 
 
-def _progress(total: int, initial: int = 0):
-    """A tqdm bar on a terminal; plain lines (for Slurm logs) otherwise."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
+class Profiler:
+    """A jax.profiler trace of steps [a, b] (train.profile_steps) into <run_dir>/profile.
 
-        bar = tqdm(total=total, initial=initial, unit="step")
+    TensorBoard's profile plugin, XProf and Perfetto read it; each process that traces
+    writes its own subdirectory, so two processes on one host do not collide.
+    """
 
-        def update(step, metrics):
-            if step is None:
-                return bar.close()
-            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", refresh=False)
-            bar.update(1)
+    def __init__(self, cfg: Config, run_dir: Path):
+        steps = cfg.train.profile_steps
+        traced = jax.process_index() == 0 or cfg.train.profile_all_processes
+        self.first, self.last = steps if steps and traced else (0, -1)
+        self.dir = run_dir / "profile" / f"process-{jax.process_index()}"
+        self.active = False
 
-        return update
+    def before(self, step: int) -> None:
+        if step == self.first:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.dir))
+            self.active = True
+            log.info(f"profiling steps {self.first}-{self.last} into {self.dir}")
 
-    def line(step, metrics):
-        if step is not None and (step % 10 == 0 or step == total - 1):
-            print(f"step {step + 1}/{total} loss {float(metrics['loss']):.4f} "
-                  f"grad_norm {float(metrics['grad_norm']):.3f}", flush=True)
+    def after(self, step: int) -> None:
+        if self.active and step == self.last:
+            self.close()
 
-    return line
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            log.info(f"profile written to {self.dir}")
+
+
+def memory_report(state) -> dict:
+    """Device memory in use and at peak (where the backend reports it) and the train
+    state's bytes per device by memory kind, to hold a run against `europa-jax plan`."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    in_use = [s.get("bytes_in_use") for s in stats]
+    peak = [s.get("peak_bytes_in_use") for s in stats]
+    kinds: dict[str, int] = {}
+    for part in offload.state_bytes(state).values():
+        for kind, n in part.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return {"state_bytes_per_device": kinds,
+            "device_bytes_in_use_max": max(in_use) if None not in in_use else None,
+            "device_peak_bytes_max": max(peak) if None not in peak else None,
+            "device_bytes_limit": stats[0].get("bytes_limit")}

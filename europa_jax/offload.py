@@ -17,6 +17,7 @@ that the recipe keeps optimizer state and saved activations there instead of in 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal
 
 import jax
@@ -83,3 +84,25 @@ def memory_kinds(tree: Any) -> dict[str, int]:
         kind = getattr(leaf.sharding, "memory_kind", None) or "device"
         totals[kind] = totals.get(kind, 0) + leaf.size * leaf.dtype.itemsize
     return totals
+
+
+def per_device_bytes(leaf) -> int:
+    """Bytes of one device's shard of an array (abstract or real) with a sharding."""
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _kind(leaf) -> str:
+    return getattr(leaf.sharding, "memory_kind", None) or "device"
+
+
+def state_bytes(state) -> dict[str, dict[str, int]]:
+    """Per-device bytes of each part of a train state (abstract or real), by memory kind."""
+    parts = {"params": state.params, "optimizer_state": state.opt_state,
+             "other_state": (state.step, state.router_bias_LE)}
+    out = {}
+    for name, tree in parts.items():
+        kinds: dict[str, int] = {}
+        for leaf in jax.tree.leaves(tree):
+            kinds[_kind(leaf)] = kinds.get(_kind(leaf), 0) + per_device_bytes(leaf)
+        out[name] = kinds
+    return out

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Any
 
 import jax
 
-from europa_jax import flops, gpu_target, hardware, plan_gpu, sharding, train
+from europa_jax import flops, gpu_target, hardware, offload, plan_gpu, sharding, train
+from europa_jax.offload import state_bytes
 from europa_jax.config import Config
 from europa_jax.plan_compile import (extrapolate, measure, measure_update, with_exact_update,
                                      with_moe_layers)
@@ -69,27 +69,6 @@ def compile_only_xla_flags(xla_flags: str) -> str:
     return " ".join(kept + [f for f in COMPILE_ONLY_FLAGS if f not in kept])
 
 
-def _per_device_bytes(leaf) -> int:
-    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-
-
-def _kind(leaf) -> str:
-    return getattr(leaf.sharding, "memory_kind", None) or "device"
-
-
-def state_bytes(state: train.TrainState) -> dict[str, dict[str, int]]:
-    """Per-device bytes of each part of an abstract train state, by memory kind."""
-    parts = {"params": state.params, "optimizer_state": state.opt_state,
-             "other_state": (state.step, state.router_bias_LE)}
-    out = {}
-    for name, tree in parts.items():
-        kinds: dict[str, int] = {}
-        for leaf in jax.tree.leaves(tree):
-            kinds[_kind(leaf)] = kinds.get(_kind(leaf), 0) + _per_device_bytes(leaf)
-        out[name] = kinds
-    return out
-
-
 def replicated_params(state: train.TrainState, mesh) -> list[dict]:
     """Parameters copied over a mesh axis (no dimension divides it), largest first.
 
@@ -103,7 +82,7 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
             name = sharding.param_name(path)
             row = found.setdefault((name, axes), {"name": name, "over": "+".join(axes),
                                                   "bytes": 0})
-            row["bytes"] += _per_device_bytes(leaf)
+            row["bytes"] += offload.per_device_bytes(leaf)
     return sorted(found.values(), key=lambda r: -r["bytes"])
 
 

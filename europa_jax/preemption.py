@@ -12,11 +12,12 @@ answer after the same step, save that step together and exit with `exit_codes.PR
 from __future__ import annotations
 
 import signal
-import sys
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from europa_jax import logs
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -49,8 +50,8 @@ class StopRequests:
     def _handle(self, signum, _frame) -> None:
         # Only a flag: the step in flight must finish, and the save must be collective.
         self.signal_name = signal.Signals(signum).name
-        print(f"europa-jax: {self.signal_name} received: finishing the current step, then "
-              "saving", file=sys.stderr, flush=True)
+        logs.signal_safe_line("WARNING", __name__, f"{self.signal_name} received: finishing "
+                              "the current step, then saving")
 
     def agreed(self) -> bool:
         """True on every process iff any process has been asked to stop (a collective)."""

@@ -1,14 +1,28 @@
-"""`europa-jax prepare`: text files, directories and JSONL → a tokenized corpus on disk.
+"""`europa-jax prepare`: text, JSON lines and Parquet files → a tokenized corpus on disk.
 
 Documents stream through in small batches (read → tokenize → append to a shard), so
-memory stays flat however large the corpus (one document at a time must fit).  Inputs are checked before anything is
-written, and the corpus appears at `--out` only once complete (see `corpus.CorpusWriter`).
+memory stays flat however large the corpus (one document at a time must fit).  Inputs are
+checked before anything is written (they exist, their formats are known, the libraries
+they need are installed), and the corpus appears at `--out` only once complete (see
+`corpus.CorpusWriter`): an error leaves nothing there.
 
-Input kinds, by name: `*.jsonl` / `*.ndjson` hold one JSON object per line whose
-`text_field` is a document; anything else is one document per file (bytes as-is for the
-byte tokenizer, UTF-8 for a tokenizer.json).  A trailing `.gz` is decompressed.
+Input formats, by file name (`readers.py` has one reader per format):
+
+    .jsonl .ndjson .json     JSON lines: one object per line, its `text_field` a document
+                             (`.json` as Dolma ships it)
+    .parquet                 the `text_field` column, one document per row
+    .txt .text .md .markdown .rst .py, or no suffix
+                             plain text, one document per file
+    + .gz / .zst             JSON lines and plain text may be gzip or zstandard compressed
+
+Any other suffix is an error listing these.  `.zst` and `.parquet` need the `formats`
+extra (`pip install 'europa-jax[formats]'`).  Plain text is bytes as-is for the byte
+tokenizer; a tokenizer.json gets UTF-8 text, and text that is not UTF-8 is a bad record.
 Directories are walked in sorted order, skipping hidden entries.  Empty documents are
-skipped (and counted): they would be a lone EOS.
+skipped (and counted): they would be a lone EOS.  A bad record (invalid JSON, not an
+object, missing/null/non-string field, text that is not UTF-8) is a one-line error
+naming the file and line (or Parquet row), or with `skip_bad` is skipped and counted:
+`PreparedManifest.skipped_bad` has the counts per reason and the first few messages.
 
 The default corpus, this interpreter's standard library sources, goes through the same
 function (`stdlib_corpus`), cached once per stdlib version.
@@ -16,22 +30,22 @@ function (`stdlib_corpus`), cached once per stdlib version.
 
 from __future__ import annotations
 
-import gzip
+import dataclasses
 import hashlib
-import json
 import os
 import sys
 import sysconfig
 import time
-import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from europa_jax import readers
 from europa_jax.corpus import (DEFAULT_SHARD_TOKENS, MANIFEST, VERSION, CorpusExists,
                                CorpusWriter, DataError, Manifest)
+from europa_jax.readers import BadRecord
 from europa_jax.tokenizer import ByteTokenizer, Tokenizer
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Tokenize this many documents (or bytes) per call: amortizes the Rust call, bounds memory.
 _BATCH_DOCS = 512
 _BATCH_BYTES = 16 << 20
@@ -40,6 +54,8 @@ _BATCH_BYTES = 16 << 20
 # suites are huge and noisy (binary-ish fixtures, intentionally malformed code).
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
                                    "__pycache__"})
+# Bad records whose message is kept as an example (skip_bad).
+_BAD_EXAMPLES = 5
 
 
 def resolve_inputs(inputs: Sequence[str | Path]) -> list[Path]:
@@ -62,52 +78,56 @@ def resolve_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def _is_jsonl(path: Path) -> bool:
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    return name.endswith(JSONL_SUFFIXES)
-
-
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
-
-
-def iter_documents(files: Sequence[Path], text_field: str = "text"
+def iter_documents(files: Sequence[Path], text_field: str = "text", *,
+                   decode: bool = False, bad: BadRecords | None = None
                    ) -> Iterator[str | bytes]:
-    """Documents of every file in order; bad lines, fields and files are one-line errors."""
+    """Documents of every file in order (`decode`: as UTF-8 text, for a tokenizer.json).
+
+    A bad record is a one-line DataError naming file and line, or, given `bad`, is
+    counted there and skipped.  Problems with a whole file are always errors.
+    """
     for path in files:
-        try:
-            if not _is_jsonl(path):
-                with _open(path) as f:
-                    yield f.read()
-                continue
-            with _open(path) as f:
-                for line_no, line in enumerate(f, 1):
-                    if line.strip():
-                        yield _jsonl_text(path, line_no, line, text_field)
-        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-            raise DataError(f"{path}: truncated or corrupt gzip ({e})") from None
-        except OSError as e:
-            raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+        for item in readers.read(path, text_field=text_field, decode=decode):
+            if isinstance(item, BadRecord):
+                if bad is None:
+                    raise DataError(item.message)
+                bad.add(item)
+            else:
+                yield item
 
 
-def _jsonl_text(path: Path, line_no: int, line: bytes, text_field: str) -> str:
-    try:
-        record = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{path}:{line_no}: not valid JSON ({e}); expected one object per line"
-                        ) from None
-    if not isinstance(record, dict):
-        raise DataError(f"{path}:{line_no}: expected a JSON object, got "
-                        f"{type(record).__name__}")
-    if text_field not in record:
-        have = ", ".join(sorted(map(str, record))[:8]) or "none"
-        raise DataError(f"{path}:{line_no}: no field '{text_field}' (fields: {have}); "
-                        "choose one with --text-field")
-    text = record[text_field]
-    if not isinstance(text, str):
-        raise DataError(f"{path}:{line_no}: field '{text_field}' is "
-                        f"{type(text).__name__}, expected a string")
-    return text
+class BadRecords:
+    """Skipped bad records: how many, per reason, and the first few messages."""
+
+    def __init__(self):
+        self.reasons: Counter[str] = Counter()
+        self.first: list[BadRecord] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.reasons.values())
+
+    def add(self, record: BadRecord) -> None:
+        self.reasons[record.reason] += 1
+        if len(self.first) < _BAD_EXAMPLES:
+            self.first.append(record)
+
+    def to_json(self) -> dict:
+        return {"total": self.total, "reasons": dict(sorted(self.reasons.items())),
+                "examples": [r.message for r in self.first]}
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.reasons.items()))
+        first = ", ".join(r.location for r in self.first)
+        return f"prepare: skipped {self.total:,} bad records ({reasons}); first: {first}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreparedManifest(Manifest):
+    """The committed corpus's `Manifest`, plus the bad records `prepare_corpus` skipped:
+    `BadRecords.to_json()`, total 0 unless `skip_bad`.  `skipped_bad` is not written to
+    manifest.json (the corpus format has no field for it); older readers are unaffected."""
+    skipped_bad: dict = dataclasses.field(default_factory=dict)
 
 
 class _Progress:
@@ -128,15 +148,27 @@ class _Progress:
         end = "\n" if final or not self.tty else ""
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
+    def skipped(self, bad: BadRecords) -> None:
+        if self.enabled and bad.total:
+            print(bad.summary(), file=sys.stderr, flush=True)
+
 
 def prepare_corpus(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer, *,
                    text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                   progress: bool = True, input_labels: Sequence[str] | None = None
-                   ) -> Manifest:
-    """Tokenize `inputs` (EOS after each document) into a new corpus directory `out`."""
+                   progress: bool = True, input_labels: Sequence[str] | None = None,
+                   skip_bad: bool = False) -> PreparedManifest:
+    """Tokenize `inputs` (EOS after each document) into a new corpus directory `out`.
+
+    `skip_bad`: skip and count bad records (`.skipped_bad` of the result, and one line on
+    stderr with `progress`) instead of stopping at the first.
+    """
     files = resolve_inputs(inputs)
+    for path in files:  # unknown formats and missing libraries fail before any work
+        readers.reader_for(path)
     labels = tuple(input_labels or map(str, inputs))
     report = _Progress(progress)
+    bad = BadRecords() if skip_bad else None
+    decode = tokenizer.info.kind != ByteTokenizer.info.kind
     skipped = 0
     with CorpusWriter(out, vocab_size=tokenizer.info.vocab_size,
                       shard_tokens=shard_tokens) as writer:
@@ -149,7 +181,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tok
             pending.clear()
             report(writer.documents, writer.tokens)
 
-        for doc in iter_documents(files, text_field):
+        for doc in iter_documents(files, text_field, decode=decode, bad=bad):
             if not doc:
                 skipped += 1
                 continue
@@ -161,12 +193,17 @@ def prepare_corpus(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tok
         if pending:
             flush()
         if writer.documents == 0:
+            also = f", {bad.total} bad records skipped" if bad and bad.total else ""
             raise DataError(f"--input {' '.join(labels)}: no documents found "
-                            f"({len(files)} files, {skipped} empty documents)")
+                            f"({len(files)} files, {skipped} empty documents{also})")
         manifest = writer.commit(tokenizer=tokenizer.info.to_json(), inputs=labels,
                                  text_field=text_field, skipped_empty=skipped)
     report(manifest.documents, manifest.tokens, final=True)
-    return manifest
+    if bad is not None:
+        report.skipped(bad)
+    return PreparedManifest(**{f.name: getattr(manifest, f.name)
+                               for f in dataclasses.fields(manifest)},
+                            skipped_bad=(bad or BadRecords()).to_json())
 
 
 # ----------------------------------------------------------------------------- stdlib

@@ -207,14 +207,31 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
 
     Sums are taken over every device under SPMD (comm.psum_all), so the mean is global.
     """
-    tokens_BS, segments_BS = batch["tokens"], batch["segment_ids"]
+    tokens_BS = batch["tokens"]
     targets_BS = jnp.roll(tokens_BS, -1, axis=1)
-    same_doc_BS = (jnp.roll(segments_BS, -1, axis=1) == segments_BS) & (segments_BS > 0)
-    weight_BS = same_doc_BS.at[:, -1].set(False).astype(jnp.float32)
-    nll_BS, stats = model.apply({"params": params}, tokens_BS, segments_BS, batch["positions"],
-                                router_bias_LE, targets_BS)
+    weight_BS = target_weights(batch["segment_ids"])
+    nll_BS, stats = model.apply({"params": params}, tokens_BS, batch["segment_ids"],
+                                batch["positions"], router_bias_LE, targets_BS)
     total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
     return total[0] / jnp.maximum(total[1], 1.0), stats
+
+
+def target_weights(segments_BS: jax.Array) -> jax.Array:
+    """1.0 where a token's successor is in the same document (a next-token target), else 0."""
+    same_doc_BS = (jnp.roll(segments_BS, -1, axis=1) == segments_BS) & (segments_BS > 0)
+    return same_doc_BS.at[:, -1].set(False).astype(jnp.float32)
+
+
+def eval_step(state: TrainState, batch: Batch, *, trainer: Trainer):
+    """(mean next-token loss, number of targets) of a batch: the training forward, no update."""
+    params = offload.to_device(state.params, trainer.state_shardings.params)
+    loss, _ = trainer.loss(params, state.router_bias_LE, batch)
+    return loss, target_weights(batch["segment_ids"]).sum()
+
+
+def jit_eval_step(trainer: Trainer):
+    step = functools.partial(eval_step, trainer=trainer)
+    return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding))
 
 
 def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
@@ -240,6 +257,9 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "finite": finite,
         "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
         "expert_load_max_over_mean": jnp.mean(load_LE.max(-1) / load_LE.mean(-1)),
+        # per MoE layer, for the report: the balance and the bias that keeps it
+        "expert_load_max_over_mean_per_layer": load_LE.max(-1) / load_LE.mean(-1),
+        "router_bias_spread_per_layer": router_bias_LE.max(-1) - router_bias_LE.min(-1),
         "moe_dropped_fraction": 1.0 - stats["processed_copies"].sum()
         / stats["routed_copies"].sum(),
         # token rows that crossed devices in the MoE exchange, per routed token copy (one

@@ -2,23 +2,31 @@
 # N europa-jax CPU processes on this machine: the multi-process path without Slurm.
 #
 #   launch/local.sh N CONFIG [europa-jax train options...]
+#   launch/local.sh N import HF_DIR --config CONFIG --out RUN_DIR [import options...]
 #   e.g. launch/local.sh 2 configs/tiny-cpu.yaml --set train.steps=20
 #
-# Each process gets mesh.data × mesh.expert / N CPU devices, and they train as one job
-# (gloo collectives). Rank i logs to $EUROPA_LOG_DIR/rank-i.log; rank 0 is also shown here.
+# Each process gets mesh.data × mesh.expert / N CPU devices, and they train (or import a
+# Hugging Face checkpoint, each reading its own shards) as one job (gloo collectives).
+# Rank i logs to $EUROPA_LOG_DIR/rank-i.log; rank 0 is also shown here.
 # TERM and USR1 sent to this script go to every rank: they save a checkpoint and exit 75,
 # as under Slurm. When one rank ends, the others get EUROPA_RANK_EXIT_WAIT_S seconds to
 # end too, then are killed, so a dead rank never leaves the rest hanging. The exit code
 # is the highest of the ranks' (128 + signal for a rank killed by a signal), like srun's.
 set -euo pipefail
 
-usage="usage: launch/local.sh N CONFIG [europa-jax train options...]"
+usage="usage: launch/local.sh N CONFIG [europa-jax train options...] | N import HF_DIR --config CONFIG --out RUN_DIR"
 if [ "$#" -lt 2 ]; then echo "$usage" >&2; exit 2; fi
-n=$1; config=$2; shift 2
+n=$1; shift
 if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
   echo "local.sh: N: '$n' is not a positive integer; $usage" >&2; exit 2
 fi
-if [ ! -f "$config" ]; then echo "local.sh: CONFIG: $config: no such file" >&2; exit 2; fi
+if [ "$1" = import ]; then
+  command=("$@")  # europa-jax import checks its own arguments
+else
+  config=$1; shift
+  if [ ! -f "$config" ]; then echo "local.sh: CONFIG: $config: no such file" >&2; exit 2; fi
+  command=(train "$config" "$@")
+fi
 
 : "${EUROPA_LOG_DIR:=logs/local-$(date +%Y%m%d-%H%M%S)-$$}"
 : "${EUROPA_RANK_EXIT_WAIT_S:=60}"
@@ -32,7 +40,7 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 pids=()
 for ((i = 0; i < n; i++)); do
   EUROPA_JAX_COORDINATOR=127.0.0.1:$port EUROPA_JAX_NUM_PROCESSES=$n EUROPA_JAX_PROCESS_ID=$i \
-    $EUROPA_JAX train "$config" "$@" >"$EUROPA_LOG_DIR/rank-$i.log" 2>&1 &
+    $EUROPA_JAX "${command[@]}" >"$EUROPA_LOG_DIR/rank-$i.log" 2>&1 &
   pids+=($!)
 done
 echo "local.sh: $n processes (pids ${pids[*]}), logs in $EUROPA_LOG_DIR" >&2

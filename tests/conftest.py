@@ -25,8 +25,9 @@ def tiny_cfg():
     model = dataclasses.replace(cfg.model, d_model=32, q_lora_rank=16, kv_lora_rank=16,
                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                                 dense_ffn_dim=64, expert_ffn_dim=16, attention_block_size=16)
-    data = dataclasses.replace(cfg.data, seq_len=64, global_batch_size=8, max_documents=40)
-    train = dataclasses.replace(cfg.train, steps=10)
+    data = dataclasses.replace(cfg.data, seq_len=64, global_batch_size=8, max_documents=40,
+                               validation_fraction=0.0)
+    train = dataclasses.replace(cfg.train, steps=10, eval_every=0)
     return dataclasses.replace(cfg, model=model, data=data, train=train)
 
 

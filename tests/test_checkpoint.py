@@ -23,7 +23,7 @@ from conftest import REPO, config_path
 # Small enough that one compile is ~20 s on 2 cores; the compilation cache makes reruns ~5 s.
 TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
         "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
-        "data.max_documents=40", "data.global_batch_size=8", "train.steps=8",
+        "data.max_documents=40", "data.global_batch_size=8", "train.steps=8", "train.eval_every=0",
         "train.log_every=1", "checkpoint.every_steps=2"]
 
 

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 import pytest
 
-from europa_jax import data, packing
+from europa_jax import data, data_sources, packing
 from europa_jax.config import ConfigError, Config, DataConfig
 from europa_jax.config_loader import from_dict, load_config
 from europa_jax.corpus import CorpusWriter, DataError, TokenCorpus
@@ -244,7 +244,7 @@ def test_config_iterator_uses_mesh_devices_as_ranks(tiny_cfg, tmp_path):
     cfg = dataclasses.replace(prepared_cfg(tiny_cfg, tmp_path / "c"),
                               model=dataclasses.replace(tiny_cfg.model,
                                                         vocab_size=len(lengths) * STRIDE))
-    it = data.batch_iterator_for(cfg, process_index=1, process_count=2)
+    it = data_sources.batch_iterator_for(cfg, process_index=1, process_count=2)
     batch = next(it)
     assert batch["tokens"].shape == (cfg.data.global_batch_size // 2, cfg.data.seq_len)
     assert it.get_state()["pipeline"]["n_ranks"] == cfg.mesh.n_devices == 8
@@ -257,9 +257,9 @@ def test_config_corpus_errors(tiny_cfg, tmp_path):
     manifest = tmp_path / "c" / "manifest.json"
     with pytest.raises(DataError, match=re.escape(
             f"{manifest}: tokenizer vocab {len(lengths) * STRIDE} > model.vocab_size 257")):
-        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c"))
+        data_sources.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c"))
     with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'nope'}: no such directory")):
-        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "nope"))
+        data_sources.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "nope"))
 
 
 def test_tokenizer_mismatch_is_refused(tiny_cfg, tmp_path):
@@ -270,12 +270,12 @@ def test_tokenizer_mismatch_is_refused(tiny_cfg, tmp_path):
     prepare.prepare_corpus([tmp_path / "a.txt"], tmp_path / "c", tokenizer.ByteTokenizer(),
                            progress=False)
     ok = prepared_cfg(tiny_cfg, tmp_path / "c", tokenizer="bytes")
-    assert len(data.open_corpus(ok)) == 1
+    assert len(data_sources.open_corpus(ok)) == 1
     tok_json = make_tokenizer_json(tmp_path / "tokenizer.json")
     with pytest.raises(DataError, match=re.escape(
             f"{tmp_path / 'c' / 'manifest.json'}: corpus was prepared with bytes 'bytes' "
             f"(sha256 None) but data.tokenizer is {tok_json}")):
-        data.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c", tokenizer=str(tok_json)))
+        data_sources.open_corpus(prepared_cfg(tiny_cfg, tmp_path / "c", tokenizer=str(tok_json)))
 
 
 def test_stdlib_config_prepares_the_cache_through_prepare(tiny_cfg, tmp_path, monkeypatch):
@@ -284,7 +284,7 @@ def test_stdlib_config_prepares_the_cache_through_prepare(tiny_cfg, tmp_path, mo
     monkeypatch.setenv("EUROPA_JAX_CACHE", str(tmp_path))
     files = prepare.stdlib_sources()[:30]
     monkeypatch.setattr(prepare, "stdlib_sources", lambda: files)
-    it = data.batch_iterator_for(tiny_cfg)
+    it = data_sources.batch_iterator_for(tiny_cfg)
     batch = next(it)
     assert batch["tokens"].shape == (tiny_cfg.data.global_batch_size, tiny_cfg.data.seq_len)
     (cache,) = tmp_path.iterdir()

@@ -22,7 +22,7 @@ from europa_jax.model.transformer import Transformer
 from conftest import REPO, config_path, split_padding
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.
-TRAIN = ["train.steps=3", "checkpoint.every_steps=0", "data.max_documents=40",
+TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0", "data.max_documents=40",
          "model.remat=none"]
 
 

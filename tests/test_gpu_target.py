@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from europa_jax import cli, gpu_target, hlo_report, plan, plan_gpu, sharding, train
+from europa_jax import cli, gpu_target, hlo_report, offload, plan_gpu, sharding, train
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
 from conftest import REPO, config_path
@@ -107,7 +107,7 @@ def test_fp8_weight_gathers_bf16_reductions_and_fp32_only_for_the_router(gpu_ste
 
 @needs_toolchain
 def test_offloaded_optimizer_state_lives_in_host_memory_and_is_moved(gpu_step):
-    held = plan.state_bytes(gpu_step["state"])
+    held = offload.state_bytes(gpu_step["state"])
     host_state = sum(k.get("pinned_host", 0) for k in held.values())
     numbers, facts = gpu_step["numbers"], gpu_step["facts"]
     assert host_state == sum(held["optimizer_state"].values()) - held["optimizer_state"].get(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def test_two_cpu_processes_train_one_model(tmp_path):
     proc = launch(tmp_path, 2, "--run-dir", str(run_dir), "--set", "train.steps=2",
                   "--set", "model.d_model=32", "--set", "model.remat=none",
                   "--set", "data.max_documents=40", "--set", "data.global_batch_size=8",
+                  "--set", "train.eval_every=0",
                   "--set", "data.seq_len=64", "--set", "model.attention_block_size=64",
                   stand_in=False)
     out, err = proc.communicate(timeout=900)
@@ -100,6 +102,14 @@ def test_two_cpu_processes_train_one_model(tmp_path):
     logs = [(tmp_path / "logs" / f"rank-{i}.log").read_text() for i in range(2)]
     for i, log in enumerate(logs):
         assert f"process {i} of 2 (local)" in log and "4 local cpu devices of 8" in log, log
+        # Every Python log line (ours, jax's, Orbax's) carries time, level and rank; the last
+        # line is the JSON summary; gloo's C++ prints its own "[Gloo] Rank k is connected
+        # to ..." lines (interleaved by its threads), which only a launcher could prefix.
+        lines = [line for line in log.splitlines() if "[Gloo]" not in line
+                 and "peer ranks" not in line]
+        stamped = re.compile(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+ rank {i}/2 \S+: ")
+        assert all(stamped.match(line) for line in lines[:-1]), log
+    assert any("tokens/s/device" in line and "mfu" in line for line in logs[0].splitlines())
     # Expert rows of 4 devices stay inside a process; both processes end on the same loss.
     assert "expert groups:" in logs[0] and "[p0]" in logs[0] and "[p1]" in logs[0]
     finals = [json.loads(log.splitlines()[-1])["final_loss"] for log in logs]

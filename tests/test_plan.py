@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from europa_jax import hardware, plan, plan_compile, sharding, train
+from europa_jax import hardware, offload, plan, plan_compile, sharding, train
 from conftest import REPO, config_path
 
 # conftest's test-size tiny model as command-line overrides (the plan runs in its own process)
@@ -42,7 +42,7 @@ def test_plan_state_bytes_equal_the_live_shards(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(tiny_cfg.offload,
                                                                     optimizer_state=True))
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-    held = plan.state_bytes(train.abstract_state(trainer))
+    held = offload.state_bytes(train.abstract_state(trainer))
     state = train.init_state(trainer, seed=0)
     for name, tree in (("params", state.params), ("optimizer_state", state.opt_state),
                        ("other_state", (state.step, state.router_bias_LE))):
@@ -113,13 +113,13 @@ def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
                                                                     optimizer_state=True))
     mesh = sharding.make_mesh(cfg.mesh)
     state = train.abstract_state(train.build_trainer(cfg, mesh))
-    held = plan.state_bytes(state)
+    held = offload.state_bytes(state)
     assert held["optimizer_state"]["pinned_host"] > 0
     assert held["optimizer_state"].get("device", 0) < 64  # only scalars stay on device
     assert set(held["params"]) == {"device"}
     # one device's shard of w_up [L, E, D, F] is E/4 × F/2 of it (expert × data)
     w_up = state.params["moe_layers"]["moe"]["w_up"]
-    assert plan._per_device_bytes(w_up) == math.prod(w_up.shape) * 4 // 8
+    assert offload.per_device_bytes(w_up) == math.prod(w_up.shape) * 4 // 8
     # norm scales are replicated by the rules ('norm' → no mesh axis); each copy is counted
     copied = {row["name"]: row for row in plan.replicated_params(state, mesh)}
     assert copied["scale"]["over"] == "data+expert" and copied["scale"]["bytes"] > 0

@@ -30,7 +30,7 @@ STEPS = 16
 TRAIN = [f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every_steps=0",
          "model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
          "model.remat=none", "data.seq_len=64", "model.attention_block_size=64",
-         "data.max_documents=40", "data.global_batch_size=8"]
+         "data.max_documents=40", "data.global_batch_size=8", "train.eval_every=0"]
 # CPU stand-ins for the script's GH200 defaults, given the way a user overrides them.
 CPU_JOB = ["--partition=ci", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
            "--gres=none", "--time=30"]

@@ -1,0 +1,127 @@
+"""Which document pieces make each global batch, and where they go: lengths only, no tokens.
+
+One or several sources (a weighted mixture), each a corpus with its own shuffled document
+stream. Global batch b takes, from source k, exactly its share of the batch's R·S tokens:
+cumulative shares are rounded once (round(W_k · b · R·S) with W_k the running sum of the
+weights), so over any run every source is within two tokens of its weight and the batch
+always holds R·S tokens. Each share is the next tokens of that source's stream (a document
+that does not fit is split, its rest opens the source's next share), and the pieces of all
+sources are packed into rows together (packing.py), so balancing sees the whole batch.
+
+The plan state is the batch index and, per source, the stream position (document and
+offset); every process computes the same plans, so the state is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grain
+import numpy as np
+
+from europa_jax import packing
+from europa_jax.corpus import TokenCorpus
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """One global batch: pieces of documents and the (rank-laid-out) row each goes to."""
+
+    index: int
+    source_P: np.ndarray
+    doc_P: np.ndarray
+    start_P: np.ndarray
+    length_P: np.ndarray
+    row_P: np.ndarray       # sorted; pieces of a row are in stream order
+    rank_cost_N: np.ndarray
+    source_tokens_K: np.ndarray  # tokens of each source in this batch
+    source_epochs_K: np.ndarray  # epochs of each source's stream consumed by its end
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stream:
+    """One source: a corpus and its document order (corpus indices, repeated per epoch)."""
+
+    corpus: TokenCorpus
+    order: grain.MapDataset
+    n_documents: int
+
+    @property
+    def mean_length(self) -> float:
+        manifest = self.corpus.manifest
+        return max(1.0, manifest.tokens / manifest.documents)
+
+    def chunk(self, need: int, position: int, offset: int):
+        """Pieces covering the next `need` stream tokens from (position, offset), and the end."""
+        docs, starts, lengths = [], [], []
+        while need:
+            # Fetch a little more than the expected number of documents in one go.
+            block = min(1 << 16, int(need / self.mean_length * 1.1) + 8)
+            ids = np.array([self.order[i] for i in range(position, position + block)],
+                           dtype=np.int64)
+            start = np.zeros(block, dtype=np.int64)
+            start[0] = offset
+            avail = self.corpus.lengths(ids) - start
+            cum = np.cumsum(avail)
+            k = int(np.searchsorted(cum, need))  # first document that reaches `need`
+            if k == block:  # the block did not cover the chunk: take it all, fetch more
+                docs.append(ids), starts.append(start), lengths.append(avail)
+                need -= int(cum[-1])
+                position, offset = position + block, 0
+                continue
+            take = avail[:k + 1].copy()
+            take[k] = need - (int(cum[k - 1]) if k else 0)
+            docs.append(ids[:k + 1]), starts.append(start[:k + 1]), lengths.append(take)
+            if take[k] == avail[k]:
+                position, offset = position + k + 1, 0
+            else:  # the rest of document k opens the next chunk
+                position, offset = position + k, int(start[k] + take[k])
+            need = 0
+        empty = np.zeros(0, np.int64)
+        return (np.concatenate(docs) if docs else empty,
+                np.concatenate(starts) if starts else empty,
+                np.concatenate(lengths) if lengths else empty, position, offset)
+
+
+def shares(weights_K: np.ndarray, batch: int, batch_tokens: int) -> np.ndarray:
+    """Tokens of each source in global batch `batch`: differences of rounded cumulative
+    shares, so they sum to `batch_tokens` and never drift from the weights."""
+    running = np.cumsum(weights_K) / np.sum(weights_K)
+    running[-1] = 1.0
+
+    def through(b):  # tokens of each source in batches [0, b)
+        bounds = np.round(running * (b * batch_tokens)).astype(np.int64)
+        return np.diff(bounds, prepend=0)
+
+    return through(batch + 1) - through(batch)
+
+
+class Planner:
+    """The plan of every global batch, from the sources' streams."""
+
+    def __init__(self, streams: list[Stream], weights_K, *, seq_len: int, n_rows: int,
+                 n_ranks: int, balance: bool):
+        self.streams, self.weights_K = streams, np.asarray(weights_K, dtype=np.float64)
+        self.seq_len, self.n_rows, self.n_ranks, self.balance = seq_len, n_rows, n_ranks, balance
+
+    def plan(self, index: int, positions: list[int], offsets: list[int]
+             ) -> tuple[BatchPlan, list[int], list[int]]:
+        need_K = shares(self.weights_K, index, self.n_rows * self.seq_len)
+        parts = []
+        positions, offsets = list(positions), list(offsets)
+        for k, stream in enumerate(self.streams):
+            doc, start, length, positions[k], offsets[k] = stream.chunk(
+                int(need_K[k]), positions[k], offsets[k])
+            parts.append((np.full(len(doc), k, np.int64), doc, start, length))
+        source_C, doc_C, start_C, length_C = (np.concatenate(x) for x in zip(*parts))
+        placed = packing.pack(length_C, seq_len=self.seq_len, n_ranks=self.n_ranks,
+                              balance=self.balance)
+        piece_P = placed.piece_P
+        epochs_K = np.array([p / s.n_documents for p, s in zip(positions, self.streams)])
+        plan = BatchPlan(index=index, source_P=source_C[piece_P], doc_P=doc_C[piece_P],
+                         start_P=start_C[piece_P] + placed.offset_P, length_P=placed.length_P,
+                         row_P=placed.row_P,
+                         rank_cost_N=packing.rank_cost(placed.row_cost(self.n_rows),
+                                                       self.n_ranks),
+                         source_tokens_K=need_K, source_epochs_K=epochs_K)
+        return plan, positions, offsets
