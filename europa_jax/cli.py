@@ -1,4 +1,4 @@
-"""`europa-jax train|prepare|export|import|count|plan|report`: the command line.
+"""`europa-jax train|prepare|export|import|count|plan|report|sample`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     export.add_argument("--max-shard-size", default="5GB", help="bound per safetensors file")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    export.add_argument("--tokenizer", help="the run's tokenizer.json if data.tokenizer moved "
+                        "(checked against the corpus manifest)")
 
     imp = command("import", help="Hugging Face DeepseekV3 safetensors → a run directory")
     imp.add_argument("hf_dir")
@@ -90,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
                          help="skip and count bad records (invalid JSON, missing/null/"
                          "non-string field, text that is not UTF-8) instead of stopping at "
                          "the first; unsupported or corrupt files stay errors")
+
+    sample = command("sample", help="generate text from a run's checkpoint (no KV cache: "
+                     "small models)")
+    sample.add_argument("run_dir")
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=64)
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    sample.add_argument("--tokenizer", help="the run's tokenizer.json if data.tokenizer no "
+                        "longer points to it")
+    sample.add_argument("--json", action="store_true", help="also print one JSON line: text, "
+                        "ids, prompt_ids, stop, step")
 
     report = command("report", help="plots (PNG) and a summary of a run directory; "
                             "works while the run is going")
@@ -188,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "sample":
+            from europa_jax import sample
+
+            return sample.run(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
             from europa_jax import distributed
@@ -228,7 +247,8 @@ def _export(args) -> int:
 
     try:
         summary = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
-                         max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite)
+                         max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite,
+                         tokenizer=args.tokenizer)
     except CheckpointError as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT

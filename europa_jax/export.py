@@ -7,11 +7,18 @@ soon as its tensors are ready. A host therefore holds at most one output file (b
 accelerator: the same command runs on a login node. While reading, it recomputes the
 checkpoint's fingerprint, so a corrupted checkpoint fails the export instead of shipping.
 Everything is written into a temporary sibling directory renamed into place at the end.
+
+Beside the weights go the run's tokenizer (hf_tokenizer_files.py: `tokenizer.json`,
+`tokenizer_config.json`, `special_tokens_map.json`) and `generation_config.json`, so that
+`AutoTokenizer` and `AutoModelForCausalLM` load from the one folder. The tokenizer is
+checked before anything is written: a `data.tokenizer` file that is gone or differs from
+the corpus manifest's sha256 fails the export.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -22,10 +29,11 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from europa_jax import checkpoint, hf_layout
+from europa_jax import checkpoint, hf_layout, hf_tokenizer_files
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
-from europa_jax.tokenizer import BYTE_EOS_ID
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, "bfloat16"), "fp32": (np.float32, "float32")}
 EXPERT_BLOCK_BYTES = 512 * 2**20  # experts read together per stack (bounds host memory)
@@ -133,14 +141,18 @@ def plan_files(tensors: list[hf_layout.HFTensor], itemsize_of, max_bytes: int):
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9,
-           overwrite: bool = False) -> dict:
-    """Write `out_dir` (config.json, model-XXXXX-of-YYYYY.safetensors, index); return a summary."""
+           overwrite: bool = False, tokenizer: str | Path | None = None) -> dict:
+    """Write `out_dir` (config.json, model-XXXXX-of-YYYYY.safetensors, index, tokenizer
+    and generation_config.json); return a summary. `tokenizer` overrides the run's
+    `data.tokenizer` path (checked against the corpus manifest all the same)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of: {', '.join(DTYPES)}")
     step_dir = resolve_step(run_dir, step)
     meta = checkpoint.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])
+    # before anything is written: a missing or changed tokenizer file is an error
+    tok, no_tokenizer = hf_tokenizer_files.run_tokenizer(cfg, tokenizer)
     out_type, dtype_name = DTYPES[dtype]
     reader = CheckpointReader(step_dir, meta["fingerprint"])
     tensors = list(hf_layout.tensors(cfg.model, _LazyShapes(reader),
@@ -171,15 +183,25 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         index = {"metadata": {"total_size": total, "europa_jax_step": meta["step"]},
                  "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        eos = BYTE_EOS_ID if cfg.data.source == "stdlib" else None  # the byte-level corpus's EOS
+        eos, bos = (tok.eos_id, tok.bos_id) if tok else (None, None)
         config = hf_layout.hf_config(cfg.model, dtype_name, eos)
+        config["bos_token_id"] = bos
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        context = cfg.model.max_position_embeddings
+        generation = hf_tokenizer_files.generation_config(eos, bos)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        if tok:
+            tokenizer_files = hf_tokenizer_files.write_tokenizer_files(tmp, tok, context)
+        else:
+            tokenizer_files = []
+            log.warning(f"tokenizer files not written: {no_tokenizer}")
         commit_output(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out_dir), "step": meta["step"], "files": len(files),
-            "tensors": len(tensors), "bytes": total, "dtype": dtype_name}
+            "tensors": len(tensors), "bytes": total, "dtype": dtype_name,
+            "tokenizer": tok.kind if tok and tokenizer_files else None}
 
 
 class _LazyShapes(dict):

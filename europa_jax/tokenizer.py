@@ -63,6 +63,14 @@ class ByteTokenizer:
     def encode_batch(self, docs: list[str | bytes]) -> list[np.ndarray]:
         return [encode_bytes(d) for d in docs]
 
+    def encode(self, text: str | bytes) -> list[int]:
+        """The ids of one text, no EOS appended (a prompt)."""
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+    def decode(self, ids) -> str:
+        """Bytes back to text (invalid UTF-8 replaced); ids that are no byte (EOS) dropped."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
 
 def encode_bytes(doc: str | bytes) -> np.ndarray:
     """Byte-level tokens with `BYTE_EOS_ID` appended."""
@@ -108,6 +116,16 @@ class HuggingFaceTokenizer:
         texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
         return [np.asarray(e.ids + [self.info.eos_id], dtype=np.int32)
                 for e in self._encode(texts, add_special_tokens=False)]
+
+    def encode(self, text: str | bytes) -> list[int]:
+        """The ids of one text as `encode_batch` makes them, no EOS appended (a prompt)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids) -> str:
+        """Ids back to text (special tokens kept)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _configured_eos(path: Path) -> str | None:

@@ -172,7 +172,9 @@ def test_bf16_export_layout(trained, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted({*index["weight_map"].values(), "config.json",
-                            "model.safetensors.index.json"})  # safetensors only: no pickle
+                            "model.safetensors.index.json", "generation_config.json",
+                            "tokenizer.json", "tokenizer_config.json",
+                            "special_tokens_map.json"})  # safetensors only: no pickle
     assert summary["files"] > 3 and summary["step"] == 3
     names = set(index["weight_map"])
     assert "model.layers.1.mlp.experts.15.down_proj.weight" in names
