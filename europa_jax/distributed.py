@@ -171,6 +171,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
     jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(mesh, launch))
     if launch.distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        logs.stamp_native_stdout("gloo")  # its C++ prints its connections to stdout
         # If a peer never arrives, jax ends this process itself (an abort naming
         # DEADLINE_EXCEEDED and RegisterTask): this line says what it waited for.
         log.info(f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "

@@ -63,3 +63,43 @@ def signal_safe_line(level: str, name: str, message: str) -> None:
     stamp = time.strftime(_DATE)
     rank = f"{_rank['index']}/{_rank['count']}"
     os.write(2, f"{stamp} {level} rank {rank} {name}: {message}\n".encode())
+
+
+def stamp_native_stdout(name: str = "native") -> None:
+    """Give the log prefix to what native code writes to stdout (gloo's C++ prints
+    "[Gloo] Rank k is connected to ..." from its threads), so that every line of a rank's
+    log says whose it is. Python's own stdout (the JSON summary) still goes out as is.
+
+    fd 1 becomes a pipe read by a thread that prefixes each line; `sys.stdout` keeps the
+    real stdout. At exit fd 1 is restored, which ends the pipe, and the thread drains it.
+    """
+    import atexit
+    import io
+    import os
+    import threading
+    import time
+
+    sys.stdout.flush()
+    real_fd = os.dup(1)
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 1)
+    os.close(write_fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(real_fd, "w", closefd=False), line_buffering=True)
+
+    def pump() -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                line = raw.decode(errors="replace").rstrip("\n")
+                rank = f"{_rank['index']}/{_rank['count']}"
+                os.write(real_fd, f"{time.strftime(_DATE)} INFO rank {rank} {name}: "
+                                  f"{line}\n".encode())
+
+    thread = threading.Thread(target=pump, name="stdout-stamp", daemon=True)
+    thread.start()
+
+    def restore() -> None:
+        sys.stdout.flush()
+        os.dup2(real_fd, 1)  # the pipe's last writer is gone: the thread reads to EOF
+        thread.join(timeout=2.0)
+
+    atexit.register(restore)
