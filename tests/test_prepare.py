@@ -107,6 +107,12 @@ def write(name, content):
      "{d}/t.jsonl.gz: truncated or corrupt gzip"),
 ])
 def test_bad_input_is_one_line_error_and_leaves_nothing(tmp_path, setup, message):
+    check_bad_input(tmp_path, setup, message)
+
+
+def check_bad_input(tmp_path, setup, message):
+    """`prepare` on what `setup` writes fails with one line starting with `message` (its
+    {d}: the input directory) and leaves no output, not even a temporary directory."""
     src = tmp_path / "in"
     src.mkdir()
     paths = setup(src)
@@ -114,7 +120,7 @@ def test_bad_input_is_one_line_error_and_leaves_nothing(tmp_path, setup, message
     with pytest.raises(DataError) as err:
         prepare.prepare_corpus(paths, tmp_path / "out", BYTES, progress=False)
     assert "\n" not in str(err.value)
-    assert str(err.value).startswith(message.format(d=src))
+    assert str(err.value).startswith(message.format(d=src)), str(err.value)
     assert nothing_left(tmp_path, "in")  # no output, no temporary directory
     assert sorted(p.name for p in src.iterdir()) == before
 

@@ -10,7 +10,7 @@ import pytest
 
 from europa_jax import prepare, readers, tokenizer
 from europa_jax.corpus import DataError, Manifest, TokenCorpus
-from test_prepare import documents, nothing_left, run_cli
+from test_prepare import check_bad_input, documents, nothing_left, run_cli
 from test_tokenizer import make_tokenizer_json
 
 zstd = pytest.importorskip("zstandard")
@@ -155,16 +155,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("setup, message", BAD_INPUTS)
 def test_bad_input_is_one_line_error_naming_the_place(tmp_path, setup, message):
-    src = tmp_path / "in"
-    src.mkdir()
-    paths = setup(src)
-    before = sorted(p.name for p in src.iterdir())
-    with pytest.raises(DataError) as err:
-        prepare.prepare_corpus(paths, tmp_path / "out", BYTES, progress=False)
-    assert "\n" not in str(err.value)
-    assert str(err.value).startswith(message.format(d=src)), str(err.value)
-    assert nothing_left(tmp_path, "in")  # no output, no temporary directory
-    assert sorted(p.name for p in src.iterdir()) == before
+    check_bad_input(tmp_path, setup, message)
 
 
 def test_text_must_be_utf8_for_a_tokenizer_json(tmp_path):
