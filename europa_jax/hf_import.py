@@ -49,6 +49,7 @@ class SafetensorsDir:
         else:
             raise ConfigError(f"{hf_dir}: no {INDEX} or model.safetensors")
         self._files: dict[str, object] = {}
+        self.elements_read = 0  # what block() read so far (tests hold it against the shards)
 
     def _file(self, name: str):
         filename = self.weight_map[name]
@@ -66,8 +67,6 @@ class SafetensorsDir:
         """HF tensor `name`[a0:b0, a1:b1, ...], read from disk without the rest of it."""
         self.elements_read += math.prod(b - a for a, b in bounds)
         return self._file(name).get_slice(name)[tuple(slice(a, b) for a, b in bounds)]
-
-    elements_read = 0  # what the blocks read so far (tests hold it against the shards)
 
 
 def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor], n_layers: int) -> None:

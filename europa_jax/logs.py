@@ -58,11 +58,15 @@ def signal_safe_line(level: str, name: str, message: str) -> None:
     """The handler's format written with one os.write: a signal handler may interrupt the
     main thread inside logging, whose locks it must not take."""
     import os
+
+    os.write(2, (_prefix(level, name) + message + "\n").encode())
+
+
+def _prefix(level: str, name: str) -> str:
+    """The handler's prefix, for lines written without it (signal handler, native stdout)."""
     import time
 
-    stamp = time.strftime(_DATE)
-    rank = f"{_rank['index']}/{_rank['count']}"
-    os.write(2, f"{stamp} {level} rank {rank} {name}: {message}\n".encode())
+    return f"{time.strftime(_DATE)} {level} rank {_rank['index']}/{_rank['count']} {name}: "
 
 
 def stamp_native_stdout(name: str = "native") -> None:
@@ -77,7 +81,6 @@ def stamp_native_stdout(name: str = "native") -> None:
     import io
     import os
     import threading
-    import time
 
     sys.stdout.flush()
     real_fd = os.dup(1)
@@ -90,9 +93,7 @@ def stamp_native_stdout(name: str = "native") -> None:
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
                 line = raw.decode(errors="replace").rstrip("\n")
-                rank = f"{_rank['index']}/{_rank['count']}"
-                os.write(real_fd, f"{time.strftime(_DATE)} INFO rank {rank} {name}: "
-                                  f"{line}\n".encode())
+                os.write(real_fd, (_prefix("INFO", name) + line + "\n").encode())
 
     thread = threading.Thread(target=pump, name="stdout-stamp", daemon=True)
     thread.start()
