@@ -214,9 +214,16 @@ class OptimConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
+    # MuonClip (Kimi K2, arXiv:2507.20534 §2.1): after each update, heads whose largest
+    # attention logit of the step exceeded τ get their q/k projections scaled so that it
+    # would be τ (qk_clip.py). K2 used τ = 100; null or 0 = off.
+    qk_clip_threshold: float | None = None
 
     def __post_init__(self):
         _positive(self, "learning_rate", "muon_ns_steps", "adam_eps")
+        if self.qk_clip_threshold is not None and not self.qk_clip_threshold >= 0:
+            raise ConfigError(f"optim.qk_clip_threshold: {self.qk_clip_threshold} must be "
+                              "positive, 0 or null (off)")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps: {self.warmup_steps} must be >= 0")
         for key in ("decay_fraction", "min_lr_ratio", "muon_beta", "adam_b1", "adam_b2"):

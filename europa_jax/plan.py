@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from europa_jax import flops, gpu_target, hardware, offload, plan_gpu, sharding, train
+from europa_jax import flops, gpu_target, hardware, offload, plan_gpu, qk_clip, sharding, train
 from europa_jax.offload import state_bytes
 from europa_jax.config import Config
 from europa_jax.plan_compile import (extrapolate, measure, measure_update, with_exact_update,
@@ -254,6 +254,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
                   "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
         "collectives": charged,
         "kernels": [],
+        # analytic (the compiled numbers above include it): MuonClip's measurement and clip
+        "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev),
         "estimate": {
             "tokens_per_s_per_gpu": as_compiled["tokens_per_s_per_gpu_overlapped"],
             "as_compiled": as_compiled,

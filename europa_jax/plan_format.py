@@ -79,6 +79,15 @@ def _flops(f: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _qk_clip(q: dict[str, Any]) -> list[str]:
+    """MuonClip's share, analytic (qk_clip.cost): already inside the compiled numbers."""
+    state = f"τ = {q['threshold']:g}" if q["threshold"] else "off (max logits still measured)"
+    return [f"  QK-clip {state}: clip {_flop(q['clip_flops']).strip()} "
+            f"({size(q['clip_hbm_bytes'])} HBM), max logits {_flop(q['measure_flops']).strip()}, "
+            f"{size(q['residual_bytes_per_layer'])} softmax residuals per layer (transient), "
+            f"{q['all_reduce_bytes']:,} B all-reduce"]
+
+
 def _collectives(rows: list[dict], title: str) -> list[str]:
     lines = [title, f"  {'op':<18} {'axes':<12} {'dtype':<9} {'count':>7} {'GB':>12} "
              f"{'link':<10} {'seconds':>8}"]
@@ -166,6 +175,8 @@ def format_report(r: dict[str, Any]) -> str:
     if gpu:
         lines += [""] + _kernels(r["kernels"])
     lines += [""] + _flops(r["flops"])
+    if r.get("qk_clip"):
+        lines += _qk_clip(r["qk_clip"])
     by_source = lambda source: [row for row in r["collectives"] if row["source"] == source]
     if gpu:
         lines += [""] + _collectives(by_source("compiled"), "collectives per GPU per step "

@@ -177,6 +177,15 @@ def _plot_experts(run: Run) -> Figure | None:
         ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer"), False)])
 
 
+def _plot_attention_logits(run: Run) -> Figure | None:
+    """The step's largest attention logit per layer (QK-clip's S_max) and heads clipped."""
+    per_layer = (_layer_lines(run.train, "attention_logit_max_per_layer")
+                 or [_line(run.train, "attention_logit_max", "all layers")])
+    return _figure("Attention max logit (before the step's QK-clip)", [
+        ("max logit", per_layer, False),
+        ("heads clipped", [_line(run.train, "qk_clip_heads_clipped")], False)])
+
+
 PLOTS: dict[str, Callable[[Run], Figure | None]] = {
     "loss.png": _plot_loss,
     "lr.png": lambda run: _figure("Learning rate", [("lr", [_line(run.train, "lr")], False)]),
@@ -186,6 +195,7 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
         ("tokens/s/device", [_line(_timed(run), "tokens_per_s_per_device")], False),
         ("MFU", [_line(_timed(run), "mfu")], False)]),
     "experts.png": _plot_experts,
+    "attention_logits.png": _plot_attention_logits,
     "attention_balance.png": lambda run: _figure("Attention cost balance", [
         ("attention cost max/mean", [_line(run.train, "attention_cost_max_over_mean")], False)]),
 }

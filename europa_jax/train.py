@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import comm, offload, optim, sharding
+from europa_jax import comm, offload, optim, qk_clip, sharding
 from europa_jax.config import Config, ConfigError
 from europa_jax.model import kernels
 from europa_jax.model.moe import updated_router_bias
@@ -205,7 +205,8 @@ def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_b
 def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
     """Mean next-token cross entropy over tokens whose successor is in the same document.
 
-    Sums are taken over every device under SPMD (comm.psum_all), so the mean is global.
+    Sums are taken over every device under SPMD (comm.psum_all), so the mean is global;
+    so is the attention logit max (a max over every device, for QK-clip).
     """
     tokens_BS = batch["tokens"]
     targets_BS = jnp.roll(tokens_BS, -1, axis=1)
@@ -213,6 +214,7 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
     nll_BS, stats = model.apply({"params": params}, tokens_BS, batch["segment_ids"],
                                 batch["positions"], router_bias_LE, targets_BS)
     total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
+    stats["attention_logit_max_LH"] = qk_clip.global_max(stats["attention_logit_max_LH"])
     return total[0] / jnp.maximum(total[1], 1.0), stats
 
 
@@ -245,6 +247,11 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # MuonClip: heads whose logits of this forward exceeded τ are scaled back (no-op if off)
+    logit_max_LH = stats["attention_logit_max_LH"]
+    replicated = NamedSharding(sharding.placement_mesh(trainer.mesh), P())
+    params, heads_clipped = qk_clip.clip(params, logit_max_LH, cfg.optim.qk_clip_threshold,
+                                         cfg.model, replicated)
     counts_LE = stats["expert_counts_E"]
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)
@@ -267,6 +274,10 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "moe_exchanged_rows_per_copy": stats["exchanged_rows"].sum()
         / stats["routed_copies"].sum(),
         "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
+        # the largest pre-softmax attention logit (scale·q·k) of the step, before the clip
+        "attention_logit_max": logit_max_LH.max(),
+        "attention_logit_max_per_layer": logit_max_LH.max(axis=-1),
+        "qk_clip_heads_clipped": heads_clipped,
     }
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            router_bias_LE=router_bias_LE)

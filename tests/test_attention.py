@@ -36,6 +36,14 @@ def test_blockwise_equals_naive(block):
     ref = naive_attention(q, k, v, seg, 0.3)
     out = blockwise_attention(q, k, v, seg, block_size=block, scale=0.3)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # the running max it reports (QK-clip) is the masked max of the logits, per head
+    out_m, logit_max_H = blockwise_attention(q, k, v, seg, block_size=block, scale=0.3,
+                                             return_logit_max=True)
+    np.testing.assert_array_equal(out_m, out)
+    mask = attention_mask(jnp.arange(64), jnp.arange(64), seg, seg)
+    logits = jnp.einsum("bshk,bthk->bhst", q, k) * 0.3
+    dense_max_H = jnp.where(mask, logits, -jnp.inf).max(axis=(0, 2, 3))
+    np.testing.assert_allclose(logit_max_H, dense_max_H, rtol=1e-6)
 
 
 def test_blockwise_gradients_equal_naive():
@@ -145,3 +153,9 @@ def test_the_model_s_attention_layer_is_the_same_with_either_kernel(tiny_cfg):
     params = layers["blockwise"].init(jax.random.key(0), x, seg, cos, sin)
     outs = {impl: layer.apply(params, x, seg, cos, sin) for impl, layer in layers.items()}
     np.testing.assert_allclose(outs["tokamax_xla"], outs["blockwise"], rtol=1e-5, atol=1e-6)
+    # both report the same per-head max logit (QK-clip), beside the same output
+    reported = {impl: MLAttention(layer.cfg, report_logit_max=True).apply(params, x, seg, cos, sin)
+                for impl, layer in layers.items()}
+    np.testing.assert_array_equal(reported["blockwise"][0], outs["blockwise"])
+    assert reported["blockwise"][1].shape == (cfg.n_heads,)
+    np.testing.assert_allclose(reported["tokamax_xla"][1], reported["blockwise"][1], rtol=1e-6)

@@ -23,10 +23,12 @@ def _train_record(step: int, loss: float, step_time: float, compiled: bool,
               "moe_dropped_fraction": 0.0, "step_time_s": step_time,
               "tokens_per_s_per_device": SEQ_LEN * BATCH / step_time / 8,
               "mfu": 0.001 / step_time, "attention_cost_max_over_mean": 1.0 + 0.002 * step,
+              "attention_logit_max": 2.0 + step, "qk_clip_heads_clipped": step % 3,
               "compiled": compiled}
     if per_layer:
         record["expert_load_max_over_mean_per_layer"] = [1.1 + 0.01 * step, 1.5 - 0.005 * step]
         record["router_bias_spread_per_layer"] = [0.001 * step, 0.002 * step]
+        record["attention_logit_max_per_layer"] = [2.0 + step, 1.0 + 0.5 * step]
     return record
 
 
@@ -134,15 +136,18 @@ def test_missing_run_dir_or_metrics(tmp_path):
 def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     run = make_run(tmp_path, validation=False, per_layer=False, extras=False)
     path = run / "metrics.jsonl"
-    # An older run: no attention balance logged, and the MFU is NaN (unknown peak FLOPs).
+    # An older run: no attention balance or logits logged, and the MFU is NaN (unknown
+    # peak FLOPs).
     records = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
     for r in records:
-        del r["attention_cost_max_over_mean"]
+        for key in ("attention_cost_max_over_mean", "attention_logit_max",
+                    "qk_clip_heads_clipped"):
+            r.pop(key, None)
         r["mfu"] = float("nan")
     _write_lines(path, records)
     s = write_report(run)
     assert "loss.png" in s["plots"] and "experts.png" in s["plots"]
-    assert s["skipped_plots"] == ["attention_balance.png"]
+    assert s["skipped_plots"] == ["attention_logits.png", "attention_balance.png"]
     assert not (run / "report" / "attention_balance.png").exists()
     experts = imread(run / "report" / "experts.png")
     assert experts.std() > 0.01
@@ -150,4 +155,4 @@ def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     assert (s["restarts"], s["checkpoints_saved"]) == (0, [])
     text = (run / "report" / "summary.txt").read_text()
     assert "tokens seen: n/a" in text and "median MFU: n/a" in text
-    assert "skipped plots (no data): attention_balance.png" in text
+    assert "skipped plots (no data): attention_logits.png, attention_balance.png" in text

@@ -134,7 +134,7 @@ def test_report_of_the_run(watched_run, tmp_path):
     import matplotlib.image
 
     for name in ("loss.png", "lr.png", "grad_norm.png", "throughput.png", "experts.png",
-                 "attention_balance.png"):
+                 "attention_logits.png", "attention_balance.png"):
         image = matplotlib.image.imread(out / name)
         assert image.shape[0] > 100 and image.std() > 0.01, name
     assert "restarts: 1" in done.stdout and "best val loss:" in done.stdout

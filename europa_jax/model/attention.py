@@ -3,6 +3,10 @@
 Shape legend: B batch, S query sequence, T key sequence, D model width, H heads,
 Q q low-rank width, A kv low-rank (latent) width, N no-rope head dims, P rope head dims,
 K = N + P query/key head dims, O value head dims, X blocks, Y block length.
+
+Every kernel can also report each head's largest pre-softmax logit (scale · q·k over the
+visible, non-padding pairs) for QK-clip (qk_clip.py): the blockwise kernel's running max,
+tokamax's softmax residual — both already computed, so the report costs no FLOPs.
 """
 
 from __future__ import annotations
@@ -17,10 +21,21 @@ from europa_jax.model import kernels
 from europa_jax.model.layers import RMSNorm, apply_rope, weight, yarn_mscale
 
 
+# Logical axes of the head-specific up-projections: QK-clip (qk_clip.py) scales them along
+# their `heads` axis, found by these names whatever the storage padding.
+W_Q_B_AXES = ("q_lora", "heads", "head_dim")  # head_dim: N no-rope, then P rope dims
+W_KV_B_AXES = ("kv_lora", "heads", "head_dim")  # head_dim: N no-rope key, then O value dims
+
+
 class MLAttention(nn.Module):
-    """Low-rank q and kv projections; a decoupled RoPE key shared by all heads."""
+    """Low-rank q and kv projections; a decoupled RoPE key shared by all heads.
+
+    With `report_logit_max` the layer returns `(out, logit_max_H)`: per head, the largest
+    pre-softmax logit of this device's rows (stop_gradient'ed; -inf if all are padding).
+    """
 
     cfg: ModelConfig
+    report_logit_max: bool = False
 
     @nn.compact
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2):
@@ -28,11 +43,9 @@ class MLAttention(nn.Module):
         d, h, q_rank, kv_rank = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
         n, p, o = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         w_q_a_DQ = weight(self, "w_q_a", (d, q_rank), ("embed", "q_lora"), cfg, dtype=dt)
-        w_q_b_QHK = weight(self, "w_q_b", (q_rank, h, n + p), ("q_lora", "heads", "head_dim"),
-                           cfg, dtype=dt)
+        w_q_b_QHK = weight(self, "w_q_b", (q_rank, h, n + p), W_Q_B_AXES, cfg, dtype=dt)
         w_kv_a_DA = weight(self, "w_kv_a", (d, kv_rank + p), ("embed", "kv_lora"), cfg, dtype=dt)
-        w_kv_b_AHK = weight(self, "w_kv_b", (kv_rank, h, n + o), ("kv_lora", "heads", "head_dim"),
-                            cfg, dtype=dt)
+        w_kv_b_AHK = weight(self, "w_kv_b", (kv_rank, h, n + o), W_KV_B_AXES, cfg, dtype=dt)
         w_o_HOD = weight(self, "w_o", (h, o, d), ("heads", "head_dim", "embed"), cfg, dtype=dt)
 
         q_latent_BSQ = RMSNorm(cfg, q_rank, name="q_a_norm")(x_BSD @ w_q_a_DQ)
@@ -51,18 +64,34 @@ class MLAttention(nn.Module):
         q_BSHK = jnp.concatenate([q_nope_BSHN, q_rope_BSHP], axis=-1)
         k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
 
-        scale = (n + p) ** -0.5
-        if cfg.rope_scaling.type == "yarn":  # DeepSeek-V3 sharpens softmax with YaRN's mscale²
-            scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
+        scale = logit_scale(cfg)
         impl = kernels.attention_impl(cfg)
         if impl == "blockwise":
-            out_BSHO = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
-                                           block_size=cfg.attention_block_size, scale=scale)
+            result = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
+                                         block_size=cfg.attention_block_size, scale=scale,
+                                         return_logit_max=self.report_logit_max)
         else:
-            out_BSHO = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
-                                         impl=impl)
+            result = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
+                                       impl=impl, return_logit_max=self.report_logit_max)
+        out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
-        return jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+        out_BSD = jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+        return (out_BSD, logit_max_H) if self.report_logit_max else out_BSD
+
+
+def logit_scale(cfg: ModelConfig) -> float:
+    """The softmax temperature: 1/√K, sharpened by YaRN's mscale² as in DeepSeek-V3."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_scaling.type == "yarn":
+        scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
+    return scale
+
+
+def row_max_per_head(m_BHS, segment_ids_BS):
+    """Per head, the largest of the rows' logit maxima over non-padding query rows
+    (segment id 0 is padding, data.py): [H] float32, outside the gradient."""
+    real_B1S = (segment_ids_BS > 0)[:, None, :]
+    return jax.lax.stop_gradient(jnp.where(real_B1S, m_BHS, -jnp.inf).max(axis=(0, 2)))
 
 
 def attention_mask(q_index_S, k_index_T, q_segment_BS, k_segment_BT):
@@ -72,7 +101,8 @@ def attention_mask(q_index_S, k_index_T, q_segment_BS, k_segment_BT):
     return (causal_ST[None] & same_doc_BST)[:, None]
 
 
-def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, scale):
+def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, scale,
+                        return_logit_max=False):
     """Causal, document-masked attention with an online softmax over key blocks.
 
     Memory is O(S·block) per query block, never O(S²): each query block scans the key
@@ -81,7 +111,8 @@ def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, s
     replicated loop indices, so it costs no collective). Each query block is a
     `jax.checkpoint`, so the backward pass recomputes one block's scores at a time.
     Tokens whose document has no visible key (impossible with causal self-attention, but
-    kept safe) produce zeros.
+    kept safe) produce zeros. With `return_logit_max`, also each head's largest logit
+    (`row_max_per_head` of the final running maxima: exact, the very max the softmax used).
     """
     b, s, h, _ = q_BSHK.shape
     o_dim = v_BSHO.shape[-1]
@@ -124,13 +155,15 @@ def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, s
 
         init = (jnp.full((b, h, y), -jnp.inf, jnp.float32), jnp.zeros((b, h, y), jnp.float32),
                 jnp.zeros((b, h, y, o_dim), jnp.float32))
-        (_, l_BHY, acc_BHYO), _ = jax.lax.scan(visit_key_block, init,
-                                               (block_ids_X, k_XBYHK, v_XBYHO, seg_XBY))
+        (m_BHY, l_BHY, acc_BHYO), _ = jax.lax.scan(visit_key_block, init,
+                                                   (block_ids_X, k_XBYHK, v_XBYHO, seg_XBY))
         out_BHYO = acc_BHYO / jnp.where(l_BHY > 0, l_BHY, 1.0)[..., None]
-        return jnp.einsum("bhyo->byho", out_BHYO).astype(v_BSHO.dtype)
+        return (jnp.einsum("bhyo->byho", out_BHYO).astype(v_BSHO.dtype),
+                row_max_per_head(m_BHY, q_seg_BY))
 
-    out_XBYHO = jax.lax.map(one_query_block, (block_ids_X, q_XBYHK, seg_XBY))
-    return jnp.moveaxis(out_XBYHO, 0, 1).reshape(b, s, h, o_dim)
+    out_XBYHO, logit_max_XH = jax.lax.map(one_query_block, (block_ids_X, q_XBYHK, seg_XBY))
+    out_BSHO = jnp.moveaxis(out_XBYHO, 0, 1).reshape(b, s, h, o_dim)
+    return (out_BSHO, logit_max_XH.max(axis=0)) if return_logit_max else out_BSHO
 
 
 def document_starts(segment_ids_BS: jax.Array) -> jax.Array:
@@ -168,7 +201,8 @@ TOKAMAX_ATTENTION = {"tokamax": "mosaic_gpu", "tokamax_triton": "triton",
                      "tokamax_xla": "xla"}
 
 
-def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="tokamax"):
+def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="tokamax",
+                      return_logit_max=False):
     """Causal, document-masked attention by tokamax's flash attention (forward and VJP).
 
     The document mask goes in as `Mask(k_start=document start, is_causal=True)`, which
@@ -178,6 +212,12 @@ def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="to
     Mosaic GPU kernel (warp-specialized, sm90 WGMMA); `tokamax_triton` is its Triton one;
     `tokamax_xla` runs anywhere but materializes the mask (tests compare it with the
     blockwise kernel). Rows whose document has no visible key cannot occur (causal).
+
+    `return_logit_max`: the op's softmax residuals `(row max of scale·q·k, denominator)`
+    [B, H, S] (`return_residuals=True`; the Mosaic sm90 kernel stores its exact running
+    max, and its VJP needs them anyway) reduced at once to each head's max over real rows.
+    The residuals' cotangent is dropped by tokamax's VJP (it differentiates the output
+    only), and they are stop_gradient'ed here, so gradients are unchanged.
     """
     tokamax = kernels.import_tokamax()  # noqa: F841 - absl flags before tokamax's modules
     from tokamax._src.ops.attention import api, base
@@ -193,5 +233,10 @@ def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="to
         # the Mosaic kernel multiplies bf16 only: float32-compute configs (the CPU ones,
         # planned for a GPU) get bf16 inputs there, float32 accumulation and output
         q_BSHK, k_BSHK, v_BSHO = (t.astype(jnp.bfloat16) for t in (q_BSHK, k_BSHK, v_BSHO))
-    out_BSHO = op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale)
-    return out_BSHO[:, :s].astype(dtype)
+    if not return_logit_max:
+        return op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale)[:, :s].astype(dtype)
+    out_BSHO, (m_BHS, _) = op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale,
+                              return_residuals=True)
+    # padded query rows (a document of their own, segment -1) are dropped with the output
+    logit_max_H = row_max_per_head(m_BHS[:, :, :s], segment_ids_BS[:, :s])
+    return out_BSHO[:, :s].astype(dtype), logit_max_H

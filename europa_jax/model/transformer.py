@@ -1,7 +1,7 @@
 """Decoder blocks, the scan over layers, embedding and LM head.
 
 Shape legend: B batch, S sequence, D model width, V (padded) vocabulary, L layers,
-E routed experts, P2 rotary frequency pairs.
+E routed experts, H heads, P2 rotary frequency pairs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from europa_jax.model.moe import MoE
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then + MLP or MoE (norm(·))."""
+    """Pre-norm block: x + attention(norm(x)), then + MLP or MoE (norm(·)).
+
+    Returns the new residual stream and the layer's stats: each head's largest attention
+    logit on this device (`attention_logit_max_H`, for QK-clip) and, in MoE blocks, the
+    MoE's counts (moe.py).
+    """
 
     cfg: ModelConfig
     is_moe: bool
@@ -30,7 +35,7 @@ class DecoderBlock(nn.Module):
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E):
         cfg = self.cfg
         x_BSD = checkpoint_name(x_BSD, "layer_input")
-        attn_BSD = MLAttention(cfg, name="attention")(
+        attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
             RMSNorm(cfg, cfg.d_model, name="attention_norm")(x_BSD), segment_ids_BS,
             cos_BSP2, sin_BSP2)
         h_BSD = x_BSD + attn_BSD
@@ -38,8 +43,8 @@ class DecoderBlock(nn.Module):
         if self.is_moe:
             mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E)
         else:
-            mlp_out_BSD, stats = SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(mlp_in_BSD), None
-        return h_BSD + mlp_out_BSD, stats
+            mlp_out_BSD, stats = SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(mlp_in_BSD), {}
+        return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
 
 
 def _block_class(cfg: ModelConfig, policy: Callable | None):
@@ -63,17 +68,22 @@ class Transformer(nn.Module):
                  targets_BS=None):
         """float32 logits [B, S, V] and per-MoE-layer stats stacked over L; given targets,
         each position's cross entropy [B, S] instead of the logits (lm_head.token_nll:
-        `model.loss_chunk_tokens` positions' logits at a time)."""
+        `model.loss_chunk_tokens` positions' logits at a time). The stats also hold
+        `attention_logit_max_LH`: every layer's (dense first, then MoE) per-head largest
+        attention logit on this device's rows."""
         cfg = self.cfg
         v, d = cfg.padded_vocab_size, cfg.d_model
         embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, min_wire="bf16")
         x_BSD = embedding_VD[tokens_BS]
         cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
 
-        x_BSD, _ = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
-                               is_moe=False, n=cfg.n_dense_layers, name="dense_layers")
-        x_BSD, stats = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE,
-                                   is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
+        x_BSD, dense = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
+                                   is_moe=False, n=cfg.n_dense_layers, name="dense_layers")
+        x_BSD, moe = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE,
+                                 is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
+        stats = {key: value for key, value in moe.items() if key != "attention_logit_max_H"}
+        stats["attention_logit_max_LH"] = jnp.concatenate(
+            [part["attention_logit_max_H"] for part in (dense, moe) if part])
 
         x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
         head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, min_wire="bf16")
@@ -86,7 +96,7 @@ class Transformer(nn.Module):
                name):
         """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
         if n == 0:
-            return x_BSD, None
+            return x_BSD, {}
         block_cls = _block_class(self.cfg, self.remat_policy)
         bias_axis = 0 if is_moe else nn.broadcast
         if self.cfg.scan_layers:
@@ -101,8 +111,7 @@ class Transformer(nn.Module):
             x_BSD, stats = block_cls(self.cfg, is_moe, name=f"{name}_{i}")(
                 x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E)
             per_layer.append(stats)
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if is_moe else None
-        return x_BSD, stacked
+        return x_BSD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
 def init_router_bias(cfg: ModelConfig) -> jax.Array:
