@@ -79,7 +79,7 @@ def main() -> None:
             "max_logit_per_step": [round(v, 2) for v in logit_max],
             "heads_clipped_per_step": [int(r["qk_clip_heads_clipped"]) for r in records],
             "max_logit_last": logit_max[-1], "max_logit_max": max(logit_max),
-            "loss_last_10_mean": sum(r["loss"] for r in records[-10:]) / 10,
+            "loss_last_10_mean": sum(r["loss"] for r in records[-10:]) / len(records[-10:]),
             "all_finite": all(r.get("finite", 1.0) == 1.0 for r in records)}
     text = json.dumps(results, indent=1)
     if args.json:
