@@ -19,7 +19,9 @@ import json
 def lowered_collectives(cfg):
     import jax
 
-    from europa_jax import hlo_report, sharding, train
+    from europa_jax.plan import hlo_report
+    from europa_jax.parallel import sharding
+    from europa_jax.train import train
 
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
@@ -33,7 +35,9 @@ def lowered_collectives(cfg):
 def exchanged_rows(cfg, steps):
     import jax
 
-    from europa_jax import loop, sharding, train
+    from europa_jax.run import loop
+    from europa_jax.parallel import sharding
+    from europa_jax.train import train
 
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
@@ -55,7 +59,7 @@ def main() -> None:
 
     import jax
 
-    from europa_jax import hlo_report
+    from europa_jax.plan import hlo_report
     from europa_jax.config_loader import load_config
 
     cfg = load_config(args.config)

@@ -44,7 +44,7 @@ def document_lengths(n: int, seed: int = 0) -> np.ndarray:
 
 def write_sparse_corpus(out: Path, lengths: np.ndarray) -> None:
     """The real format (manifest, offsets, uint32 tokens) with an all-zero sparse token file."""
-    from europa_jax.corpus import Manifest, Shard, token_dtype
+    from europa_jax.data.corpus import Manifest, Shard, token_dtype
 
     out.mkdir(parents=True)
     n_tokens = int(lengths.sum())
@@ -68,13 +68,14 @@ def write_sparse_corpus(out: Path, lengths: np.ndarray) -> None:
 
 
 def run_layout(corpus, model_cfg, seq_len: int, per_rank: int, batches: int) -> dict:
-    from europa_jax import data, flops
+    from europa_jax.data import pipeline
+    from europa_jax.model import flops
 
     rows = RANKS * per_rank
     result = {"seq_len": seq_len, "rows_per_rank": per_rank}
     slowest = {}
     for balance in (False, True):
-        it = data.make_batch_iterator(corpus, seq_len=seq_len, global_batch_size=rows,
+        it = pipeline.make_batch_iterator(corpus, seq_len=seq_len, global_batch_size=rows,
                                       n_ranks=RANKS, seed=0, balance=balance,
                                       process_index=0, process_count=RANKS // RANKS_PER_PROCESS,
                                       prefetch=0)
@@ -117,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from europa_jax.config_loader import load_config
-    from europa_jax.corpus import TokenCorpus
+    from europa_jax.data.corpus import TokenCorpus
 
     model_cfg = load_config(Path(__file__).parent.parent / "configs/europa-952b.yaml").model
     tokens_needed = (args.batches + 1) * RANKS * LAYOUTS[0][0]

@@ -148,7 +148,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
     """Compile `program` for the mesh's compile-only GPU at its inputs' shapes."""
     import jax
 
-    from europa_jax import gpu_target, plan_gpu
+    from europa_jax.plan import gpu_target, gpu_program
 
     start = time.perf_counter()
     specs = tuple(jax.tree.map(lambda s, i=i: jax.ShapeDtypeStruct(
@@ -159,8 +159,8 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
         lowered = program.fn.trace(*specs).lower()
     compiled = gpu_target.compile_lowered(lowered, mesh)
     mem = compiled.memory_analysis()
-    memory = {f: getattr(mem, f"{f}_size_in_bytes") for f in plan_gpu.MEMORY_FIELDS}
-    facts = plan_gpu.program_facts(compiled.as_text(), cfg)
+    memory = {f: getattr(mem, f"{f}_size_in_bytes") for f in gpu_program.MEMORY_FIELDS}
+    facts = gpu_program.program_facts(compiled.as_text(), cfg)
     return {"compiled": True, "seconds": time.perf_counter() - start,
             "hbm_bytes": memory["argument"] + memory["output"] + memory["temp"]
             - memory["alias"],
@@ -174,7 +174,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
 
 def compile_checks(cfg, tokens: int, smoke: bool, target_name: str) -> dict:
     """Every check's programs compiled for one GPU of `target_name`."""
-    from europa_jax import gpu_target
+    from europa_jax.plan import gpu_target
 
     missing = gpu_target.missing_toolchain()
     if missing:
@@ -288,7 +288,7 @@ def run_as_a_rank() -> None:
     launch/env.sh gives a rank and the GPU compile assumes (a variable already set wins):
     the compiled program is the timed one, and its HBM is checked against that share.
     jax's own share, 0.75, leaves an H100 64 GB, about what the layer needs."""
-    from europa_jax import gpu_target
+    from europa_jax.plan import gpu_target
 
     if not os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):  # jax refuses both names
         os.environ.setdefault("XLA_CLIENT_MEM_FRACTION",
@@ -300,7 +300,7 @@ def run_as_a_rank() -> None:
 
 
 def main() -> None:
-    from europa_jax import gpu_target
+    from europa_jax.plan import gpu_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="gpu_check.json", help="where the results go")
@@ -323,7 +323,7 @@ def main() -> None:
         except ConfigError as e:  # e.g. tokens that the attention blocks do not divide
             parser.error(f"--tokens {tokens}: {e}")
 
-    from europa_jax import jax_start
+    from europa_jax.run import jax_start
 
     gpu_here = gpu_driver_present()
     cpu_only = args.aot_only or not (gpu_here or os.environ.get("JAX_PLATFORMS"))

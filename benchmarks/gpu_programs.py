@@ -44,7 +44,7 @@ def arg_sharding(program: Program, mesh, i: int):
     abstract mesh for compile-only GPUs, whose concrete shardings drop the memory kind."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     return NamedSharding(sharding.placement_mesh(mesh), PartitionSpec(), memory_kind=(
         "pinned_host" if i in program.host_args else "device"))
@@ -76,7 +76,7 @@ def check_config(smoke: bool, tokens: int):
 
 def layer_flops(model, tokens: int) -> float:
     """Forward+backward FLOPs of one MoE layer on one causal document of `tokens`."""
-    from europa_jax import flops
+    from europa_jax.model import flops
 
     pairs = tokens * (tokens + 1) // 2
     head = 6.0 * model.d_model * model.vocab_size * tokens  # train_flops counts the LM head
@@ -91,7 +91,7 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
 
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
     from europa_jax.model import kernels
     from europa_jax.model.layers import rope_tables
     from europa_jax.model.transformer import DecoderBlock
@@ -147,7 +147,7 @@ def attention_kernel(model, mesh, smoke: bool) -> str:
     """The attention kernel the model uses on the mesh's platform (kernels.py: blockwise on
     CPU, tokamax's Mosaic GPU flash attention on GPU; Triton at the smoke widths, below
     what the Mosaic kernel tiles)."""
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
     from europa_jax.model import kernels
 
     impl = kernels.attention_impl(model, sharding.mesh_platform(mesh))
@@ -159,7 +159,7 @@ def attention_reference(mesh) -> str:
     (the CPU path: how much the library kernel buys); elsewhere XLA's plain attention.
     (cuDNN through jax.nn cannot be the reference: in jax 0.10.2 it wants one head width
     for q, k and v and has no document mask.)"""
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     return "blockwise" if sharding.mesh_platform(mesh) == "gpu" else "xla"
 
@@ -207,7 +207,7 @@ def offload_programs(n_bytes: int, mesh) -> dict[str, Program]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     placement = sharding.placement_mesh(mesh)
     to = {kind: NamedSharding(placement, PartitionSpec(), memory_kind=kind)

@@ -34,7 +34,10 @@ def time_steps(cfg, steps: int) -> tuple[float, float]:
     """Median step seconds after compile, and the analytic FLOPs of one step."""
     import jax
 
-    from europa_jax import flops, loop, sharding, train
+    from europa_jax.model import flops
+    from europa_jax.run import loop
+    from europa_jax.parallel import sharding
+    from europa_jax.train import train
 
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)

@@ -11,11 +11,11 @@ import json
 import os
 import sys
 
-from europa_jax import exit_codes, jax_start, logs
+from europa_jax.run import exit_codes, jax_start, logs
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.corpus import DataError
-from europa_jax.distributed import StartError
+from europa_jax.data.corpus import DataError
+from europa_jax.run.distributed import StartError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
 def _prepare(args: argparse.Namespace) -> int:
     import time
 
-    from europa_jax import prepare, tokenizer
+    from europa_jax.data import prepare, tokenizer
 
     tok = tokenizer.load_tokenizer(args.tokenizer, args.eos_token)
     inputs = prepare.stdlib_sources() if args.stdlib else args.input
@@ -152,20 +152,20 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     if args.target != "cpu" and probes:
         raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
                           "compiles the whole depth in about a minute)")
-    from europa_jax import gpu_target  # imports no jax
+    from europa_jax.plan import gpu_target  # imports no jax
 
     if args.target != "cpu":
         gpu_target.require_toolchain(args.target)
     # a plan never touches a device: CPU is the backend, a GPU only a compilation target
     gpu_target.prepare_process()
     jax_start.import_quietly()
-    from europa_jax import plan, plan_format  # imports jax; its backends start later
+    from europa_jax.plan import plan, report_text  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
     _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
     report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
                        target=args.target)
-    print(json.dumps(report, indent=2) if args.json else plan_format.format_report(report))
+    print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 
 
@@ -179,7 +179,7 @@ def _use_cpu_devices(n: int, platform: str | None = None) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from europa_jax import report
+    from europa_jax.run import report
 
     try:
         summary = report.write_report(args.run_dir, args.out)
@@ -204,13 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "sample":
-            from europa_jax import sample
+            from europa_jax.interop import sample
 
             return sample.run(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
-            from europa_jax import distributed
-            from europa_jax.hf_import import import_hf
+            from europa_jax.run import distributed
+            from europa_jax.interop.hf_import import import_hf
 
             distributed.start(cfg.mesh)  # every process reads and saves its own shards
             print(json.dumps(import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)))
@@ -219,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg)
         if args.command == "count":
             _use_cpu_devices(1)
-            from europa_jax.train import abstract_variables, without_storage_padding
+            from europa_jax.train.train import abstract_variables, without_storage_padding
             import flax.linen as nn
-            from europa_jax import flops, optim
+            from europa_jax.model import flops
+            from europa_jax.train import optim
 
             # the model's own shapes: storage padding (model.param_pad_multiple) is no parameter
             params = nn.unbox(abstract_variables(without_storage_padding(cfg)))
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             report["muon_fraction"] = optim.muon_fraction(params)
             print(json.dumps(report, indent=2))
             return exit_codes.OK
-        from europa_jax import distributed
+        from europa_jax.run import distributed
 
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
         return run_training(cfg, args.run_dir)
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args) -> int:
-    from europa_jax.checkpoint import CheckpointError
-    from europa_jax.export import export, parse_size
+    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.interop.export import export, parse_size
 
     try:
         summary = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
@@ -258,9 +259,9 @@ def _export(args) -> int:
 
 def run_training(cfg, run_dir: str | None) -> int:
     """Train and map the outcome to an `exit_codes` value (also used by multi-process launchers)."""
-    from europa_jax.checkpoint import CheckpointError
-    from europa_jax.loop import NonFiniteStop, train
-    from europa_jax.preemption import Preempted
+    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.loop import NonFiniteStop, train
+    from europa_jax.run.preemption import Preempted
 
     try:
         records = train(cfg, run_dir)

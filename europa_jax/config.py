@@ -394,7 +394,7 @@ class Config:
             raise ConfigError(f"train.eval_every: {self.train.eval_every} but there are no "
                               "validation documents (set data.validation_fraction or "
                               "data.validation_path)")
-        from europa_jax.tokenizer import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
+        from europa_jax.data.tokenizer import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
 
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "

@@ -35,7 +35,9 @@ def train_for(cfg, steps):
     """Train `steps` steps from seed 0 on the config's mesh: (final state, losses)."""
     import jax
 
-    from europa_jax import loop, sharding, train
+    from europa_jax.run import loop
+    from europa_jax.parallel import sharding
+    from europa_jax.train import train
 
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax import checkpoint, exit_codes, loop, sharding, train
+from europa_jax.run import checkpoint, exit_codes, loop
+from europa_jax.parallel import sharding
+from europa_jax.train import train
 from europa_jax.config import MeshConfig
 from conftest import REPO, config_path
 

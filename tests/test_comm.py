@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from europa_jax import comm, hlo_report, sharding, train
+from europa_jax.parallel import comm, sharding
+from europa_jax.plan import hlo_report
+from europa_jax.train import train
 from europa_jax.config import MeshConfig
 from europa_jax.model.moe import MoE
 from test_moe import dense_reference

@@ -12,10 +12,10 @@ import grain
 import numpy as np
 import pytest
 
-from europa_jax import data, data_sources, packing
+from europa_jax.data import pipeline, sources as data_sources, packing
 from europa_jax.config import ConfigError, Config, DataConfig
 from europa_jax.config_loader import from_dict, load_config
-from europa_jax.corpus import CorpusWriter, DataError, TokenCorpus
+from europa_jax.data.corpus import CorpusWriter, DataError, TokenCorpus
 from conftest import config_path
 
 S, ROWS, RANKS = 64, 8, 4          # 2 rows per rank
@@ -54,7 +54,7 @@ def corpus(tmp_path_factory):
 def iterator(corpus, **overrides):
     kwargs = dict(seq_len=S, global_batch_size=ROWS, n_ranks=RANKS, seed=0, prefetch=2)
     kwargs.update(overrides)
-    return data.make_batch_iterator(corpus, **kwargs)
+    return pipeline.make_batch_iterator(corpus, **kwargs)
 
 
 def take(it, n):
@@ -248,7 +248,7 @@ def test_config_iterator_uses_mesh_devices_as_ranks(tiny_cfg, tmp_path):
     batch = next(it)
     assert batch["tokens"].shape == (cfg.data.global_batch_size // 2, cfg.data.seq_len)
     assert it.get_state()["pipeline"]["n_ranks"] == cfg.mesh.n_devices == 8
-    assert it.get_state()["pipeline"]["corpus"] == data._corpus_id(vocab_ok)
+    assert it.get_state()["pipeline"]["corpus"] == pipeline._corpus_id(vocab_ok)
 
 
 def test_config_corpus_errors(tiny_cfg, tmp_path):
@@ -263,7 +263,7 @@ def test_config_corpus_errors(tiny_cfg, tmp_path):
 
 
 def test_tokenizer_mismatch_is_refused(tiny_cfg, tmp_path):
-    from europa_jax import prepare, tokenizer
+    from europa_jax.data import prepare, tokenizer
     from test_tokenizer import make_tokenizer_json
 
     (tmp_path / "a.txt").write_text("hello world")
@@ -279,7 +279,7 @@ def test_tokenizer_mismatch_is_refused(tiny_cfg, tmp_path):
 
 
 def test_stdlib_config_prepares_the_cache_through_prepare(tiny_cfg, tmp_path, monkeypatch):
-    from europa_jax import prepare
+    from europa_jax.data import prepare
 
     monkeypatch.setenv("EUROPA_JAX_CACHE", str(tmp_path))
     files = prepare.stdlib_sources()[:30]

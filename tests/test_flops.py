@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from europa_jax import flops
-from europa_jax.train import abstract_variables
+from europa_jax.model import flops
+from europa_jax.train.train import abstract_variables
 
 
 def test_causal_pairs_counts_each_document_triangle():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from europa_jax import gpu_target
+from europa_jax.plan import gpu_target
 from conftest import REPO
 
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_check.py")

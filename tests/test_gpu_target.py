@@ -14,7 +14,10 @@ import sys
 
 import pytest
 
-from europa_jax import cli, gpu_target, hlo_report, offload, plan_gpu, sharding, train
+from europa_jax import cli
+from europa_jax.plan import gpu_target, hlo_report, gpu_program
+from europa_jax.parallel import offload, sharding
+from europa_jax.train import train
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
 from conftest import REPO, config_path
@@ -53,7 +56,7 @@ def without_offload(cfg):
 
 def compile_for_gpu(cfg):
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
-    numbers, largest, facts = plan_gpu.measure(cfg, mesh)
+    numbers, largest, facts = gpu_program.measure(cfg, mesh)
     trainer = train.build_trainer(cfg, mesh)
     return {"cfg": cfg, "mesh": mesh, "numbers": numbers, "largest": largest, "facts": facts,
             "state": train.abstract_state(trainer)}
@@ -133,7 +136,7 @@ def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
     facts, cfg = gpu_step["facts"], gpu_step["cfg"]
     assert any("RaggedDot" in k for k in facts["custom_calls"]), facts["custom_calls"]
     assert facts["dense_expert_buffers"] == []
-    checks = {c["path"]: c for c in plan_gpu.kernel_checks(
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(
         cfg, gpu_step["numbers"], facts, gpu_step["numbers"]["memory/host_argument"],
         [{"op": k[0], "axes": k[1], "dtype": k[2]} for k in rows(gpu_step["numbers"])])}
     assert checks["grouped matmul"]["ok"] and checks["MoE token exchange"]["ok"]
@@ -147,7 +150,7 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
     # forward and backward kernels, in every scanned layer body and its recompute
     assert flash and sum(flash.values()) >= 2, facts["custom_calls"]
     assert facts["dense_attention_buffers"] == []
-    checks = {c["path"]: c for c in plan_gpu.kernel_checks(cfg, gpu_step["numbers"], facts, 0, [])}
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, gpu_step["numbers"], facts, 0, [])}
     assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
 
 
@@ -158,7 +161,7 @@ def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
     step = compile_for_gpu(cfg)
     s = cfg.data.seq_len
     assert step["facts"]["dense_attention_buffers"][0]["shape"][-2:] == [s, s]
-    checks = {c["path"]: c for c in plan_gpu.kernel_checks(cfg, step["numbers"], step["facts"],
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, step["numbers"], step["facts"],
                                                            0, [])}
     assert not checks["attention"]["ok"]
 
@@ -169,7 +172,7 @@ def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
     cfg = without_offload(gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot"))
     step = compile_for_gpu(cfg)
     assert not any("RaggedDot" in k for k in step["facts"]["custom_calls"])
-    checks = plan_gpu.kernel_checks(cfg, step["numbers"], step["facts"], 0, [])
+    checks = gpu_program.kernel_checks(cfg, step["numbers"], step["facts"], 0, [])
     assert not checks[0]["ok"] and checks[0]["path"] == "grouped matmul"
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert
     assert step["facts"]["dense_expert_buffers"][0]["shape"].count(e_local) >= 1

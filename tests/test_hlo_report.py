@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from europa_jax import hlo_report, sharding
+from europa_jax.plan import hlo_report
+from europa_jax.parallel import sharding
 from europa_jax.config import MeshConfig
 
 

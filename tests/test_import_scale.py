@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from europa_jax import hf_import, hf_layout
+from europa_jax.interop import hf_import, hf_layout
 from conftest import REPO, config_path
 from test_export import TRAIN, cli, exported_fp32, saved_state, trained  # noqa: F401 (fixtures)
 

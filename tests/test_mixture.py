@@ -10,10 +10,10 @@ import re
 import numpy as np
 import pytest
 
-from europa_jax import data, data_plan, data_sources
+from europa_jax.data import pipeline, batch_plan, sources as data_sources
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.corpus import CorpusWriter, DataError, TokenCorpus
+from europa_jax.data.corpus import CorpusWriter, DataError, TokenCorpus
 from conftest import config_path
 from test_data import long_tailed_lengths
 
@@ -43,8 +43,8 @@ def corpora(tmp_path_factory):
 def mixture(corpora, weights=(0.7, 0.3), **overrides):
     kwargs = dict(seq_len=S, global_batch_size=ROWS, n_ranks=RANKS, seed=0, prefetch=0)
     kwargs.update(overrides)
-    sources = [data.Source(corpus=c, weight=w) for c, w in zip(corpora, weights)]
-    return data.make_mixture_iterator(sources, **kwargs)
+    sources = [pipeline.Source(corpus=c, weight=w) for c, w in zip(corpora, weights)]
+    return pipeline.make_mixture_iterator(sources, **kwargs)
 
 
 def test_batches_follow_the_weights_over_a_run(corpora):
@@ -67,7 +67,7 @@ def test_shares_sum_to_the_batch_and_never_drift():
     weights = np.array([0.5, 0.2, 0.3])
     total = np.zeros(3, np.int64)
     for b in range(500):
-        share = data_plan.shares(weights, b, 100)
+        share = batch_plan.shares(weights, b, 100)
         assert share.sum() == 100 and share.min() >= 0
         total += share
         assert np.all(np.abs(total - weights * (b + 1) * 100) <= 1)

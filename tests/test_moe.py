@@ -153,7 +153,7 @@ def test_blocked_backward_keeps_no_weight_copy_per_block():
     """Each block multiplies by one expert's matrix; the backward must re-index the
     weights, not save a [D, F] slice per block (that stack was ~0.5 TB per europa-952b
     MoE layer on 65,536 tokens)."""
-    from europa_jax import hlo_report
+    from europa_jax.plan import hlo_report
 
     e, d, f, m, rows = 4, 64, 512, 512, 8
     n_blocks = -(-(m + e * (rows - 1)) // rows)

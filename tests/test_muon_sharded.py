@@ -10,7 +10,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from europa_jax import hlo_report, optim, sharding, train
+from europa_jax.plan import hlo_report
+from europa_jax.train import optim, train
+from europa_jax.parallel import sharding
 from europa_jax.config import MeshConfig, OptimConfig
 
 

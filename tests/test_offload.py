@@ -6,7 +6,8 @@ import re
 import jax
 import numpy as np
 
-from europa_jax import offload, sharding, train
+from europa_jax.parallel import offload, sharding
+from europa_jax.train import train
 from conftest import train_for
 
 

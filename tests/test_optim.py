@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from europa_jax import optim
+from europa_jax.train import optim
 from europa_jax.config import OptimConfig
 from europa_jax.config_loader import load_config
-from europa_jax.train import abstract_variables
+from europa_jax.train.train import abstract_variables
 from conftest import config_path
 
 

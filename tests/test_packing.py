@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from europa_jax import packing
+from europa_jax.data import packing
 
 S = 64
 

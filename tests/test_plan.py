@@ -12,7 +12,9 @@ import sys
 import jax
 import pytest
 
-from europa_jax import hardware, offload, plan, plan_compile, sharding, train
+from europa_jax.plan import hardware, plan, step_compile
+from europa_jax.parallel import offload, sharding
+from europa_jax.train import train
 from conftest import REPO, config_path
 
 # conftest's test-size tiny model as command-line overrides (the plan runs in its own process)
@@ -100,12 +102,12 @@ def test_offloaded_activations_are_counted_from_the_step(tiny_cfg):
         jaxpr = train.jit_train_step(trainer).trace(state, batch).jaxpr.jaxpr
     rows = cfg.data.global_batch_size // cfg.mesh.n_devices
     per_layer = rows * cfg.data.seq_len * cfg.model.d_model * 4  # float32 compute in tiny
-    assert plan_compile.offloaded_activation_bytes(jaxpr) == cfg.model.n_layers * per_layer
+    assert step_compile.offloaded_activation_bytes(jaxpr) == cfg.model.n_layers * per_layer
 
     plain = train.build_trainer(tiny_cfg, trainer.mesh)
     with jax.set_mesh(plain.mesh):
         jaxpr = train.jit_train_step(plain).trace(train.abstract_state(plain), batch).jaxpr.jaxpr
-    assert plan_compile.offloaded_activation_bytes(jaxpr) == 0
+    assert step_compile.offloaded_activation_bytes(jaxpr) == 0
 
 
 def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
@@ -128,7 +130,7 @@ def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
 
 def test_extrapolate_reads_each_number_off_its_line():
     at_2, at_3 = {"temp": 10.0, "flops": 4.0}, {"temp": 13.0, "flops": 4.0, "new": 1.0}
-    assert plan_compile.extrapolate(at_2, at_3, 2, 3, 59) == {"temp": 181.0, "flops": 4.0, "new": 57.0}
+    assert step_compile.extrapolate(at_2, at_3, 2, 3, 59) == {"temp": 181.0, "flops": 4.0, "new": 57.0}
 
 
 def test_roofline_overlaps_links_with_compute_and_bounds_by_their_sum():

@@ -10,8 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from europa_jax import prepare, tokenizer
-from europa_jax.corpus import DataError, TokenCorpus
+from europa_jax.data import prepare, tokenizer
+from europa_jax.data.corpus import DataError, TokenCorpus
 from conftest import REPO
 from test_tokenizer import make_tokenizer_json
 

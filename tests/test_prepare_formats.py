@@ -8,8 +8,8 @@ import tracemalloc
 
 import pytest
 
-from europa_jax import prepare, readers, tokenizer
-from europa_jax.corpus import DataError, Manifest, TokenCorpus
+from europa_jax.data import prepare, readers, tokenizer
+from europa_jax.data.corpus import DataError, Manifest, TokenCorpus
 from test_prepare import check_bad_input, documents, nothing_left, run_cli
 from test_tokenizer import make_tokenizer_json
 

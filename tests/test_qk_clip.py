@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from europa_jax import hlo_report, loop, qk_clip, sharding, train
+from europa_jax.plan import hlo_report
+from europa_jax.run import loop
+from europa_jax.train import qk_clip, train
+from europa_jax.parallel import sharding
 from europa_jax.config import ConfigError, MeshConfig, OptimConfig
 from europa_jax.model import kernels
 from europa_jax.model.attention import (MLAttention, attention_mask, blockwise_attention,
@@ -336,7 +339,7 @@ def test_no_collective_either_where_w_kv_b_shards_its_heads_and_w_q_b_does_not(t
 
 def compiled_gpu_step(cfg):
     """The step as XLA:GPU compiles it for 8 GH200s (the Mosaic GPU attention kernel)."""
-    from europa_jax import gpu_target
+    from europa_jax.plan import gpu_target
 
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     trainer = train.build_trainer(cfg, mesh)

@@ -6,10 +6,10 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from europa_jax import sharding
+from europa_jax.parallel import sharding
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
-from europa_jax.train import abstract_variables
+from europa_jax.train.train import abstract_variables
 from conftest import config_path
 
 MESH_96x4 = {"data": 96, "expert": 4}

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from europa_jax import tokenizer
-from europa_jax.corpus import DataError
+from europa_jax.data import tokenizer
+from europa_jax.data.corpus import DataError
 
 WORDS = ["hello", "world", "the", "cat"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, config_path
-from europa_jax import data_sources
+from europa_jax.data import sources as data_sources
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 
@@ -91,7 +91,8 @@ def test_profile_steps_write_a_trace(watched_run):
 
 @pytest.mark.slow
 def test_memory_after_the_first_step_matches_the_state(watched_run):
-    from europa_jax import offload, sharding, train
+    from europa_jax.parallel import offload, sharding
+    from europa_jax.train import train
 
     run_dir, first, _, _ = watched_run
     memory = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()

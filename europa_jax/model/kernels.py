@@ -17,7 +17,7 @@ import importlib.util
 
 import jax
 
-from europa_jax import comm
+from europa_jax.parallel import comm
 from europa_jax.config import ConfigError, ModelConfig
 
 INSTALL = "pip install -e '.[gpu]'"

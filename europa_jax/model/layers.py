@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from europa_jax import comm, sharding
+from europa_jax.parallel import comm, sharding
 from europa_jax.config import ModelConfig, RopeScalingConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

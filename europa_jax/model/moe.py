@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax import comm
+from europa_jax.parallel import comm
 from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.layers import SwiGLU, weight

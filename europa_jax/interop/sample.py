@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from europa_jax import checkpoint, exit_codes, hf_tokenizer_files
+from europa_jax.run import checkpoint, exit_codes
+from europa_jax.interop import hf_tokenizer_files
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
-from europa_jax.corpus import DataError
+from europa_jax.data.corpus import DataError
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -206,7 +207,7 @@ def run(args) -> int:
     """The `sample` command: args has run_dir, prompt, max_new_tokens, temperature, seed,
     step (and optionally json, tokenizer). Prints the generated text (then, with --json,
     one JSON line); a bad input is one line on stderr and exit code 2."""
-    from europa_jax.checkpoint import CheckpointError
+    from europa_jax.run.checkpoint import CheckpointError
 
     max_new = getattr(args, "max_new_tokens", None)
     try:

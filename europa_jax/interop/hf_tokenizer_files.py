@@ -30,9 +30,9 @@ import shutil
 from pathlib import Path
 
 from europa_jax.config import Config
-from europa_jax.corpus import DataError, Manifest
-from europa_jax.tokenizer import (BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer,
-                                  HuggingFaceTokenizer, Tokenizer)
+from europa_jax.data.corpus import DataError, Manifest
+from europa_jax.data.tokenizer import (BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer,
+                                       HuggingFaceTokenizer, Tokenizer)
 
 log = logging.getLogger(__name__)
 

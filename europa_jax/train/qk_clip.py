@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from europa_jax import comm, sharding
+from europa_jax.parallel import comm, sharding
 from europa_jax.config import ModelConfig
 from europa_jax.model.attention import W_KV_B_AXES, W_Q_B_AXES
 

@@ -30,7 +30,8 @@ import optax
 from jax.sharding import Mesh
 from optax.contrib import MuonDimensionNumbers
 
-from europa_jax import muon_sharded, sharding
+from europa_jax.train import muon_sharded
+from europa_jax.parallel import sharding
 from europa_jax.config import OptimConfig
 
 # Parameter name → (number of trailing reduction axes, number of trailing output axes).

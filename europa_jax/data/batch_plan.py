@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from europa_jax import packing
-from europa_jax.corpus import TokenCorpus
+from europa_jax.data import packing
+from europa_jax.data.corpus import TokenCorpus
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ import sys
 import traceback
 from typing import Mapping
 
-from europa_jax import exit_codes, logs
+from europa_jax.run import exit_codes, logs
 from europa_jax.config import ConfigError, MeshConfig, check_device_count
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def job_mesh(mesh_cfg: MeshConfig):
     """
     import jax
 
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     nodes = node_of_process()
     mesh = sharding.make_mesh(mesh_cfg, node_of_process=nodes)

@@ -45,11 +45,14 @@ from typing import Any
 
 import jax
 
-from europa_jax import flops, gpu_target, hardware, offload, plan_gpu, qk_clip, sharding, train
-from europa_jax.offload import state_bytes
+from europa_jax.model import flops
+from europa_jax.plan import gpu_target, hardware, gpu_program
+from europa_jax.parallel import offload, sharding
+from europa_jax.train import qk_clip, train
+from europa_jax.parallel.offload import state_bytes
 from europa_jax.config import Config
-from europa_jax.plan_compile import (extrapolate, measure, measure_update, with_exact_update,
-                                     with_moe_layers)
+from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
+                                          with_moe_layers)
 
 # Shallow stacks can sit off the line: on europa-952b forward+backward temporaries at 3
 # MoE layers were 6 % above the line through 2, 4, 6, 12 and 59; 4 and 6 predict 59 within
@@ -97,7 +100,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
     if (probe_moe_layers is None and not gpu and not cfg.model.scan_layers
             and n_moe > max(PROBE_MOE_LAYERS)):
         probe_moe_layers = PROBE_MOE_LAYERS  # unrolled: compile time grows with depth
-    mesh = plan_gpu.plan_mesh(cfg, target) if gpu else sharding.make_mesh(cfg.mesh)
+    mesh = gpu_program.plan_mesh(cfg, target) if gpu else sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)  # shapes only: cheap at full depth
     state = train.abstract_state(trainer)
     compiled = {"moe_layers": n_moe, "mode": "full depth", "error": None,
@@ -107,7 +110,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
     start = time.perf_counter()
     try:
         if gpu:
-            numbers, largest, facts = plan_gpu.measure(cfg, mesh)
+            numbers, largest, facts = gpu_program.measure(cfg, mesh)
         elif probe_moe_layers:
             a, b = sorted(probe_moe_layers)
             at_a, _ = measure(with_moe_layers(cfg, a), mesh)
@@ -126,7 +129,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
                  machine, target=target)
     if facts is not None:
         host_state = sum(k.get("pinned_host", 0) for k in state_bytes(state).values())
-        out["kernels"] = plan_gpu.kernel_checks(cfg, numbers, facts, host_state,
+        out["kernels"] = gpu_program.kernel_checks(cfg, numbers, facts, host_state,
                                                 out["collectives"])
     return out
 

@@ -29,7 +29,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from europa_jax import checkpoint, hf_layout, hf_tokenizer_files
+from europa_jax.run import checkpoint
+from europa_jax.interop import hf_layout, hf_tokenizer_files
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 

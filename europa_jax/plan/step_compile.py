@@ -15,7 +15,8 @@ import math
 import jax
 import optax
 
-from europa_jax import hlo_report, train
+from europa_jax.plan import hlo_report
+from europa_jax.train import train
 from europa_jax.config import Config
 
 TOP_BUFFERS = 8

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax import comm, offload, optim, qk_clip, sharding
+from europa_jax.parallel import comm, offload, sharding
+from europa_jax.train import optim, qk_clip
 from europa_jax.config import Config, ConfigError
 from europa_jax.model import kernels
 from europa_jax.model.moe import updated_router_bias

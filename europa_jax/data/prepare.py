@@ -40,11 +40,11 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from europa_jax import readers
-from europa_jax.corpus import (DEFAULT_SHARD_TOKENS, MANIFEST, VERSION, CorpusExists,
-                               CorpusWriter, DataError, Manifest)
-from europa_jax.readers import BadRecord
-from europa_jax.tokenizer import ByteTokenizer, Tokenizer
+from europa_jax.data import readers
+from europa_jax.data.corpus import (DEFAULT_SHARD_TOKENS, MANIFEST, VERSION, CorpusExists,
+                                    CorpusWriter, DataError, Manifest)
+from europa_jax.data.readers import BadRecord
+from europa_jax.data.tokenizer import ByteTokenizer, Tokenizer
 
 # Tokenize this many documents (or bytes) per call: amortizes the Rust call, bounds memory.
 _BATCH_DOCS = 512

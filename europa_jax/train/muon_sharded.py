@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib import _muon  # orthogonalize_via_newton_schulz, scale_by_shape
 
-from europa_jax.sharding import entry_axes
+from europa_jax.parallel.sharding import entry_axes
 
 SpecsFn = Callable[[Any], Any]  # updates tree → PartitionSpec per Muon leaf
 

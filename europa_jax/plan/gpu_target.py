@@ -151,7 +151,7 @@ def topology(target: GpuTarget, n_devices: int) -> list[jax.Device]:
 
 def mesh(mesh_cfg: MeshConfig, target: GpuTarget) -> jax.sharding.Mesh:
     """The config's `(data, expert)` mesh over a GPU topology: expert groups are hosts."""
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     return sharding.make_mesh(mesh_cfg, devices=topology(target, mesh_cfg.n_devices))
 
@@ -162,7 +162,7 @@ def lowering(mesh_: jax.sharding.Mesh):
     the default device so that kernel libraries pick their GPU kernels."""
     import jax
 
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.set_mesh(mesh_))
@@ -173,7 +173,7 @@ def lowering(mesh_: jax.sharding.Mesh):
 
 def compile_lowered(lowered, mesh_: jax.sharding.Mesh):
     """`lowered.compile()`, with COMPILER_OPTIONS when the mesh is made of GPUs."""
-    from europa_jax import sharding
+    from europa_jax.parallel import sharding
 
     if sharding.mesh_platform(mesh_) == "gpu":
         return lowered.compile(compiler_options=COMPILER_OPTIONS)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from europa_jax import logs
+from europa_jax.run import logs
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -28,10 +28,12 @@ from safetensors import safe_open
 
 from jax.experimental import multihost_utils
 
-from europa_jax import checkpoint, distributed, hf_layout, train
+from europa_jax.run import checkpoint, distributed
+from europa_jax.interop import hf_layout
+from europa_jax.train import train
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import to_dict
-from europa_jax.export import commit_output, prepare_output
+from europa_jax.interop.export import commit_output, prepare_output
 
 INDEX = "model.safetensors.index.json"
 

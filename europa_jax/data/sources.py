@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from europa_jax.corpus import MANIFEST, DataError, TokenCorpus
-from europa_jax.data import BatchIterator, Source, make_mixture_iterator
+from europa_jax.data.corpus import MANIFEST, DataError, TokenCorpus
+from europa_jax.data.pipeline import BatchIterator, Source, make_mixture_iterator
 
 if TYPE_CHECKING:
     from europa_jax.config import Config
@@ -43,7 +43,7 @@ def split_documents(n_documents: int, fraction: float, seed: int
 def open_corpus(cfg: Config, path: str | Path | None = None) -> TokenCorpus:
     """The configured corpus (or the one at `path`, e.g. the validation corpus), checked
     against the model's vocab and the expected tokenizer."""
-    from europa_jax import prepare
+    from europa_jax.data import prepare
 
     data = cfg.data
     if path is None:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from europa_jax.corpus import DataError
+from europa_jax.data.corpus import DataError
 
 BYTE_EOS_ID = 256
 BYTE_VOCAB_SIZE = 257

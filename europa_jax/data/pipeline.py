@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from europa_jax import packing
+from europa_jax.data import packing
 from europa_jax.config import MIN_SEQ_LEN
-from europa_jax.corpus import DataError, TokenCorpus
-from europa_jax.data_plan import BatchPlan, Planner, Stream
+from europa_jax.data.corpus import DataError, TokenCorpus
+from europa_jax.data.batch_plan import BatchPlan, Planner, Stream
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,12 +19,14 @@ import re
 
 import jax
 
-from europa_jax import gpu_target, hlo_report, sharding, train
+from europa_jax.plan import gpu_target, hlo_report
+from europa_jax.parallel import sharding
+from europa_jax.train import train
 from europa_jax.config import Config
 from europa_jax.model import kernels
-from europa_jax.plan_format import size
-from europa_jax.plan_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
-                                     lowered_hlo, offloaded_activation_bytes, without_remat)
+from europa_jax.plan.report_text import size
+from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
+                                          lowered_hlo, offloaded_activation_bytes, without_remat)
 
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
                  "host_output", "host_alias", "host_temp")

@@ -16,13 +16,15 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax import (checkpoint, data, data_sources, distributed, flops, logs, offload,
-                        run_log)
+from europa_jax.run import checkpoint, distributed, logs, run_log
+from europa_jax.data import pipeline, sources as data_sources
+from europa_jax.model import flops
+from europa_jax.parallel import offload
 from europa_jax.config import CheckpointConfig, Config, check_device_count
 from europa_jax.config_loader import to_dict
-from europa_jax.preemption import Preempted, StopRequests
-from europa_jax.run_log import EventLog, MetricsLog
-from europa_jax.train import Trainer, build_trainer, init_state, jit_eval_step, jit_train_step
+from europa_jax.run.preemption import Preempted, StopRequests
+from europa_jax.run.run_log import EventLog, MetricsLog
+from europa_jax.train.train import Trainer, build_trainer, init_state, jit_eval_step, jit_train_step
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ def device_batches(trainer: Trainer, host_batches: Iterator[dict[str, np.ndarray
                            for k, v in host_batch.items()}
 
 
-def host_batch_iterator(cfg: Config) -> data.BatchIterator:
+def host_batch_iterator(cfg: Config) -> pipeline.BatchIterator:
     """This process's rows of each balanced global batch; checkpoint it with get/set_state."""
     return data_sources.batch_iterator_for(cfg, process_index=jax.process_index(),
                                    process_count=jax.process_count())
@@ -122,7 +124,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
 
 
 def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
-            compiled: bool, stats: data.BatchStats) -> dict:
+            compiled: bool, stats: pipeline.BatchStats) -> dict:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     peak = cfg.train.peak_flops_per_device.get(jax.devices()[0].platform, float("nan"))
     pairs = flops.causal_pairs(host_batch["segment_ids"]) * jax.process_count()

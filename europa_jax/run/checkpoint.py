@@ -38,8 +38,8 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
-from europa_jax.train import Trainer, TrainState
-from europa_jax.train import model_param_shapes as train_model_param_shapes
+from europa_jax.train.train import Trainer, TrainState
+from europa_jax.train.train import model_param_shapes as train_model_param_shapes
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"

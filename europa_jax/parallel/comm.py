@@ -30,7 +30,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from europa_jax import sharding
+from europa_jax.parallel import sharding
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
