@@ -85,14 +85,14 @@ def run_layout(corpus, model_cfg, seq_len: int, per_rank: int, batches: int) -> 
             start = time.perf_counter()
             batch = next(it)
             seconds += time.perf_counter() - start
-            cost_N = it.stats.rank_cost_N
+            cost_J = it.stats.rank_cost_J
             ratios.append(it.stats.attention_cost_max_over_mean)
-            worst_cost.append(cost_N.max())
+            worst_cost.append(cost_J.max())
             split.append(it.stats.documents_split)
             # Causal pairs Σ L(L+1)/2 = (Σ L² + tokens) / 2 per rank.
             tokens = per_rank * seq_len
             worst_flops.append(flops.train_flops(model_cfg, tokens,
-                                                 int((cost_N.max() + tokens) // 2)))
+                                                 int((cost_J.max() + tokens) // 2)))
         name = "balanced" if balance else "stream_order"
         slowest[name] = (np.array(worst_cost), np.array(worst_flops))
         result[name] = {

@@ -13,10 +13,10 @@ from europa_jax.model.attention import (attention_mask, blockwise_attention, doc
 
 def naive_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale):
     s = q_BSHK.shape[1]
-    scores_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK) * scale
+    scores_BHSS = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK) * scale
     mask = attention_mask(jnp.arange(s), jnp.arange(s), segment_ids_BS, segment_ids_BS)
-    probs_BHST = jax.nn.softmax(jnp.where(mask, scores_BHST, -jnp.inf), axis=-1)
-    return jnp.einsum("bhst,bthv->bshv", probs_BHST, v_BSHO)
+    probs_BHSS = jax.nn.softmax(jnp.where(mask, scores_BHSS, -jnp.inf), axis=-1)
+    return jnp.einsum("bhst,bthv->bshv", probs_BHSS, v_BSHO)
 
 
 def random_inputs(seed=0, b=2, s=64, h=3, k=12, o=8):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from europa_jax.config import ConfigError, check_device_count
+from europa_jax.config import check_device_count, ConfigError
 from europa_jax.config_loader import load_config
 from conftest import config_path
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from europa_jax.data.corpus import CorpusExists, CorpusWriter, DataError, TokenCorpus, token_dtype
+from europa_jax.data.corpus import CorpusExists, CorpusWriter, DataError, token_dtype, TokenCorpus
 
 TOKENIZER = {"kind": "bytes", "name": "bytes", "sha256": None, "vocab_size": 257,
              "eos_id": 256}

@@ -12,9 +12,9 @@ import grain
 import numpy as np
 import pytest
 
-from europa_jax.data import pipeline, sources as data_sources, packing
-from europa_jax.config import ConfigError, Config, DataConfig
+from europa_jax.config import Config, ConfigError, DataConfig
 from europa_jax.config_loader import from_dict, load_config
+from europa_jax.data import packing, pipeline, sources as data_sources
 from europa_jax.data.corpus import CorpusWriter, DataError, TokenCorpus
 from conftest import config_path
 
@@ -108,9 +108,9 @@ def test_epochs_are_reshuffled_and_seed_matters(corpus, two_epochs):
 
 def rank_costs(batch):
     """Σ segment length² per rank, from the batch alone (device-major rows)."""
-    cost_R = np.array([np.sum(np.unique(seg, return_counts=True)[1] ** 2.0)
+    cost_B = np.array([np.sum(np.unique(seg, return_counts=True)[1] ** 2.0)
                        for seg in batch["segment_ids"]])
-    return packing.rank_cost(cost_R, RANKS)
+    return packing.rank_cost(cost_B, RANKS)
 
 
 def test_balancing_evens_attention_cost_over_the_same_tokens(corpus):
@@ -137,9 +137,9 @@ class RecordingCorpus(TokenCorpus):
         super().__init__(path)
         self.reads = []
 
-    def read_many(self, doc_P, start_P, stop_P):
-        self.reads += list(zip(doc_P.tolist(), start_P.tolist(), stop_P.tolist()))
-        return super().read_many(doc_P, start_P, stop_P)
+    def read_many(self, doc_Z, start_Z, stop_Z):
+        self.reads += list(zip(doc_Z.tolist(), start_Z.tolist(), stop_Z.tolist()))
+        return super().read_many(doc_Z, start_Z, stop_Z)
 
 
 def test_two_processes_read_disjoint_shares_covering_each_document_once(corpus, two_epochs):

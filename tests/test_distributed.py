@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO, config_path
+from europa_jax.config import check_device_count, ConfigError, MeshConfig
 from europa_jax.run import distributed
-from europa_jax.config import ConfigError, MeshConfig, check_device_count
 
 SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8",
               "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",

@@ -9,12 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from europa_jax.run import loop
-from europa_jax.parallel import sharding
-from europa_jax.train import train
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.model import lm_head
+from europa_jax.parallel import sharding
+from europa_jax.run import loop
+from europa_jax.train import train
 from conftest import config_path
 
 VOCAB = 200  # of a padded 256: the padding rows must never be predicted

@@ -10,9 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from europa_jax.data import pipeline, batch_plan, sources as data_sources
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
+from europa_jax.data import batch_plan, pipeline, sources as data_sources
 from europa_jax.data.corpus import CorpusWriter, DataError, TokenCorpus
 from conftest import config_path
 from test_data import long_tailed_lengths
@@ -53,7 +53,7 @@ def test_batches_follow_the_weights_over_a_run(corpora):
     for _ in range(1000):
         tokens = next(it)["tokens"]
         small_tokens += int((tokens >= SOURCE).sum())
-        epochs.append(it.stats.source_epochs_K.copy())
+        epochs.append(it.stats.source_epochs_I.copy())
         assert tokens.size == ROWS * S  # every batch is full
     assert abs(small_tokens / (1000 * ROWS * S) - 0.3) < 0.02 * 0.3
     # exact, in fact: cumulative shares are rounded once
@@ -79,7 +79,7 @@ def test_each_source_epoch_holds_its_tokens_once(corpora):
     want = np.sort(np.concatenate([SOURCE + d * STRIDE + np.arange(n) for d, n in
                                    enumerate(small.lengths(np.arange(len(small))))]))
     seen = []
-    while not seen or it.stats.source_epochs_K[1] < 1:
+    while not seen or it.stats.source_epochs_I[1] < 1:
         tokens = next(it)["tokens"].ravel()
         seen.append(tokens[tokens >= SOURCE])
     seen = np.concatenate(seen)

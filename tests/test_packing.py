@@ -19,16 +19,16 @@ def long_tailed_lengths(rng, n_rows, seq_len=S):
     return lengths[lengths > 0]
 
 
-def assert_exact_cover(placed: packing.Placement, length_C, n_rows, seq_len=S):
+def assert_exact_cover(placed: packing.Placement, length_X, n_rows, seq_len=S):
     # Every row is exactly full ...
-    np.testing.assert_array_equal(np.bincount(placed.row_P, weights=placed.length_P,
+    np.testing.assert_array_equal(np.bincount(placed.row_Z, weights=placed.length_Z,
                                               minlength=n_rows), seq_len)
-    assert placed.row_P.max() < n_rows and (placed.length_P > 0).all()
+    assert placed.row_Z.max() < n_rows and (placed.length_Z > 0).all()
     # ... and the placed intervals of each chunk piece tile it exactly once.
-    for c, n in enumerate(length_C):
-        mine = placed.piece_P == c
-        order = np.argsort(placed.offset_P[mine])
-        starts, lens = placed.offset_P[mine][order], placed.length_P[mine][order]
+    for c, n in enumerate(length_X):
+        mine = placed.piece_Z == c
+        order = np.argsort(placed.offset_Z[mine])
+        starts, lens = placed.offset_Z[mine][order], placed.length_Z[mine][order]
         assert starts[0] == 0 and starts[-1] + lens[-1] == n, c
         np.testing.assert_array_equal(starts[1:], (starts + lens)[:-1])
         assert (lens <= seq_len).all()
@@ -39,53 +39,53 @@ def assert_exact_cover(placed: packing.Placement, length_C, n_rows, seq_len=S):
 def test_packers_fill_rows_and_conserve_every_token(seed, pack):
     rng = np.random.default_rng(seed)
     n_rows = 16
-    length_C = long_tailed_lengths(rng, n_rows)
-    assert length_C.max() > S  # exercises splitting of over-long documents
-    placed = pack(length_C, seq_len=S)
-    assert_exact_cover(placed, length_C, n_rows)
+    length_X = long_tailed_lengths(rng, n_rows)
+    assert length_X.max() > S  # exercises splitting of over-long documents
+    placed = pack(length_X, seq_len=S)
+    assert_exact_cover(placed, length_X, n_rows)
     # Sorted by row, then stream order: what the reader relies on.
-    key = placed.row_P * (len(length_C) + 1) + placed.piece_P
+    key = placed.row_Z * (len(length_X) + 1) + placed.piece_Z
     assert (np.diff(key) >= 0).all()
 
 
 def test_pack_in_order_is_concat_then_split():
-    length_C = np.array([10, 100, 3, 15])  # 128 tokens = 2 rows of 64
-    placed = packing.pack_in_order(length_C, seq_len=S)
-    np.testing.assert_array_equal(placed.piece_P, [0, 1, 1, 2, 3])
-    np.testing.assert_array_equal(placed.offset_P, [0, 0, 54, 0, 0])
-    np.testing.assert_array_equal(placed.length_P, [10, 54, 46, 3, 15])
-    np.testing.assert_array_equal(placed.row_P, [0, 0, 1, 1, 1])
+    length_X = np.array([10, 100, 3, 15])  # 128 tokens = 2 rows of 64
+    placed = packing.pack_in_order(length_X, seq_len=S)
+    np.testing.assert_array_equal(placed.piece_Z, [0, 1, 1, 2, 3])
+    np.testing.assert_array_equal(placed.offset_Z, [0, 0, 54, 0, 0])
+    np.testing.assert_array_equal(placed.length_Z, [10, 54, 46, 3, 15])
+    np.testing.assert_array_equal(placed.row_Z, [0, 0, 1, 1, 1])
 
 
 def test_pack_balanced_spreads_long_documents():
     # Four 40-token documents and many 1-token ones; in stream order the long ones land
     # two to a row.  Balanced: one long document per row.
-    length_C = np.array([40, 40, 40, 40] + [1] * 96)
-    in_order = packing.pack_in_order(length_C, seq_len=S).row_cost(4)
-    balanced = packing.pack_balanced(length_C, seq_len=S).row_cost(4)
+    length_X = np.array([40, 40, 40, 40] + [1] * 96)
+    in_order = packing.pack_in_order(length_X, seq_len=S).row_cost(4)
+    balanced = packing.pack_balanced(length_X, seq_len=S).row_cost(4)
     assert packing.max_over_mean(in_order) > 1.5
     assert packing.max_over_mean(balanced) == pytest.approx(1.0)
     assert balanced.max() == 40**2 + 24
 
 
 def test_pack_balanced_whole_rows_for_overlong_documents_and_determinism():
-    length_C = np.array([2 * S + 5, 59, 30, 20, 14])  # 4 rows
-    placed = packing.pack_balanced(length_C, seq_len=S)
-    full = placed.length_P == S
-    assert full.sum() == 2 and set(placed.piece_P[full]) == {0}
-    again = packing.pack_balanced(length_C, seq_len=S)
-    for name in ("piece_P", "offset_P", "length_P", "row_P"):
+    length_X = np.array([2 * S + 5, 59, 30, 20, 14])  # 4 rows
+    placed = packing.pack_balanced(length_X, seq_len=S)
+    full = placed.length_Z == S
+    assert full.sum() == 2 and set(placed.piece_Z[full]) == {0}
+    again = packing.pack_balanced(length_X, seq_len=S)
+    for name in ("piece_Z", "offset_Z", "length_Z", "row_Z"):
         np.testing.assert_array_equal(getattr(placed, name), getattr(again, name))
 
 
 def test_pack_keeps_stream_order_when_balancing_would_raise_the_maximum():
     # Two over-long documents give LPT 4 whole S² rows for 2 ranks of 2 rows; stream
     # order, offset by a 32-token document, cuts them into cheaper pieces.
-    length_C = np.array([32, 2 * S, 2 * S - 32])
-    balanced = packing.pack_balanced(length_C, seq_len=S, n_ranks=2).row_cost(4)
-    in_order = packing.pack_in_order(length_C, seq_len=S).row_cost(4)
+    length_X = np.array([32, 2 * S, 2 * S - 32])
+    balanced = packing.pack_balanced(length_X, seq_len=S, n_ranks=2).row_cost(4)
+    in_order = packing.pack_in_order(length_X, seq_len=S).row_cost(4)
     assert packing.rank_cost(balanced, 2).max() > packing.rank_cost(in_order, 2).max()
-    chosen = packing.pack(length_C, seq_len=S, n_ranks=2, balance=True).row_cost(4)
+    chosen = packing.pack(length_X, seq_len=S, n_ranks=2, balance=True).row_cost(4)
     np.testing.assert_array_equal(chosen, in_order)
 
 
@@ -96,17 +96,17 @@ def test_packers_reject_a_chunk_that_is_not_whole_rows():
 
 def test_pack_balanced_evens_rank_sums_with_device_major_rows():
     # Two rows per rank.  In stream order rank 0 gets both 60-token documents.
-    length_C = np.array([60, 60, 50, 50] + [4] * 48 + [2] * 50)
-    assert length_C.sum() == 8 * S
-    in_order = packing.pack_in_order(length_C, seq_len=S).row_cost(8)
-    balanced = packing.pack_balanced(length_C, seq_len=S, n_ranks=4).row_cost(8)
+    length_X = np.array([60, 60, 50, 50] + [4] * 48 + [2] * 50)
+    assert length_X.sum() == 8 * S
+    in_order = packing.pack_in_order(length_X, seq_len=S).row_cost(8)
+    balanced = packing.pack_balanced(length_X, seq_len=S, n_ranks=4).row_cost(8)
     assert packing.rank_cost(in_order, 4).max() > 6000
     # One big document per rank; a 60-rank must also hold 68 small tokens (>= 136 cost).
     np.testing.assert_array_equal(packing.rank_cost(balanced, 4), [3776, 3776, 2808, 2808])
     # pack() takes the balanced layout here, and stream order when balance is off.
-    chosen = packing.pack(length_C, seq_len=S, n_ranks=4, balance=True).row_cost(8)
+    chosen = packing.pack(length_X, seq_len=S, n_ranks=4, balance=True).row_cost(8)
     np.testing.assert_array_equal(chosen, balanced)
     np.testing.assert_array_equal(
-        packing.pack(length_C, seq_len=S, n_ranks=4, balance=False).row_cost(8), in_order)
+        packing.pack(length_X, seq_len=S, n_ranks=4, balance=False).row_cost(8), in_order)
     with pytest.raises(ValueError, match="8 rows do not split evenly over 3 ranks"):
-        packing.pack_balanced(length_C, seq_len=S, n_ranks=3)
+        packing.pack_balanced(length_X, seq_len=S, n_ranks=3)

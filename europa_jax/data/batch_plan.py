@@ -1,12 +1,15 @@
 """Which document pieces make each global batch, and where they go: lengths only, no tokens.
 
 One or several sources (a weighted mixture), each a corpus with its own shuffled document
-stream. Global batch b takes, from source k, exactly its share of the batch's R·S tokens:
-cumulative shares are rounded once (round(W_k · b · R·S) with W_k the running sum of the
+stream. Global batch b takes, from source k, exactly its share of the batch's B·S tokens:
+cumulative shares are rounded once (round(W_k · b · B·S) with W_k the running sum of the
 weights), so over any run every source is within two tokens of its weight and the batch
-always holds R·S tokens. Each share is the next tokens of that source's stream (a document
+always holds B·S tokens. Each share is the next tokens of that source's stream (a document
 that does not fit is split, its rest opens the source's next share), and the pieces of all
 sources are packed into rows together (packing.py), so balancing sees the whole batch.
+
+Shape suffixes (europa_jax/__init__.py): I sources, X pieces in stream order, Z placed
+pieces, J ranks.
 
 The plan state is the batch index and, per source, the stream position (document and
 offset); every process computes the same plans, so the state is global.
@@ -28,14 +31,14 @@ class BatchPlan:
     """One global batch: pieces of documents and the (rank-laid-out) row each goes to."""
 
     index: int
-    source_P: np.ndarray
-    doc_P: np.ndarray
-    start_P: np.ndarray
-    length_P: np.ndarray
-    row_P: np.ndarray       # sorted; pieces of a row are in stream order
-    rank_cost_N: np.ndarray
-    source_tokens_K: np.ndarray  # tokens of each source in this batch
-    source_epochs_K: np.ndarray  # epochs of each source's stream consumed by its end
+    source_Z: np.ndarray
+    doc_Z: np.ndarray
+    start_Z: np.ndarray
+    length_Z: np.ndarray
+    row_Z: np.ndarray       # sorted; pieces of a row are in stream order
+    rank_cost_J: np.ndarray
+    source_tokens_I: np.ndarray  # tokens of each source in this batch
+    source_epochs_I: np.ndarray  # epochs of each source's stream consumed by its end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +86,10 @@ class Stream:
                 np.concatenate(lengths) if lengths else empty, position, offset)
 
 
-def shares(weights_K: np.ndarray, batch: int, batch_tokens: int) -> np.ndarray:
+def shares(weights_I: np.ndarray, batch: int, batch_tokens: int) -> np.ndarray:
     """Tokens of each source in global batch `batch`: differences of rounded cumulative
     shares, so they sum to `batch_tokens` and never drift from the weights."""
-    running = np.cumsum(weights_K) / np.sum(weights_K)
+    running = np.cumsum(weights_I) / np.sum(weights_I)
     running[-1] = 1.0
 
     def through(b):  # tokens of each source in batches [0, b)
@@ -99,29 +102,29 @@ def shares(weights_K: np.ndarray, batch: int, batch_tokens: int) -> np.ndarray:
 class Planner:
     """The plan of every global batch, from the sources' streams."""
 
-    def __init__(self, streams: list[Stream], weights_K, *, seq_len: int, n_rows: int,
+    def __init__(self, streams: list[Stream], weights_I, *, seq_len: int, n_rows: int,
                  n_ranks: int, balance: bool):
-        self.streams, self.weights_K = streams, np.asarray(weights_K, dtype=np.float64)
+        self.streams, self.weights_I = streams, np.asarray(weights_I, dtype=np.float64)
         self.seq_len, self.n_rows, self.n_ranks, self.balance = seq_len, n_rows, n_ranks, balance
 
     def plan(self, index: int, positions: list[int], offsets: list[int]
              ) -> tuple[BatchPlan, list[int], list[int]]:
-        need_K = shares(self.weights_K, index, self.n_rows * self.seq_len)
+        need_I = shares(self.weights_I, index, self.n_rows * self.seq_len)
         parts = []
         positions, offsets = list(positions), list(offsets)
         for k, stream in enumerate(self.streams):
             doc, start, length, positions[k], offsets[k] = stream.chunk(
-                int(need_K[k]), positions[k], offsets[k])
+                int(need_I[k]), positions[k], offsets[k])
             parts.append((np.full(len(doc), k, np.int64), doc, start, length))
-        source_C, doc_C, start_C, length_C = (np.concatenate(x) for x in zip(*parts))
-        placed = packing.pack(length_C, seq_len=self.seq_len, n_ranks=self.n_ranks,
+        source_X, doc_X, start_X, length_X = (np.concatenate(x) for x in zip(*parts))
+        placed = packing.pack(length_X, seq_len=self.seq_len, n_ranks=self.n_ranks,
                               balance=self.balance)
-        piece_P = placed.piece_P
-        epochs_K = np.array([p / s.n_documents for p, s in zip(positions, self.streams)])
-        plan = BatchPlan(index=index, source_P=source_C[piece_P], doc_P=doc_C[piece_P],
-                         start_P=start_C[piece_P] + placed.offset_P, length_P=placed.length_P,
-                         row_P=placed.row_P,
-                         rank_cost_N=packing.rank_cost(placed.row_cost(self.n_rows),
+        piece_Z = placed.piece_Z
+        epochs_I = np.array([p / s.n_documents for p, s in zip(positions, self.streams)])
+        plan = BatchPlan(index=index, source_Z=source_X[piece_Z], doc_Z=doc_X[piece_Z],
+                         start_Z=start_X[piece_Z] + placed.offset_Z, length_Z=placed.length_Z,
+                         row_Z=placed.row_Z,
+                         rank_cost_J=packing.rank_cost(placed.row_cost(self.n_rows),
                                                        self.n_ranks),
-                         source_tokens_K=need_K, source_epochs_K=epochs_K)
+                         source_tokens_I=need_I, source_epochs_I=epochs_I)
         return plan, positions, offsets

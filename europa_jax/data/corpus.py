@@ -9,6 +9,7 @@ Plain little-endian arrays read through `np.memmap`: random access to any docume
 any slice of one) costs one lookup, nothing is decoded, the OS page cache does the
 caching, and a document's length is known from 8 bytes of metadata, which is what lets
 every process plan the whole global batch while reading only its own rows' tokens.
+Shape suffixes (europa_jax/__init__.py): W documents, Z pieces of documents, T tokens.
 
 `CorpusWriter` streams into a hidden temporary directory beside the destination and
 renames it into place only after the manifest is written: a crash or a bad input never
@@ -251,46 +252,46 @@ class TokenCorpus:
     def __getitem__(self, doc: int) -> np.ndarray:
         return self.read(doc, 0, int(self.lengths(np.array([doc]))[0]))
 
-    def _locate(self, doc_D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        doc_D = np.asarray(doc_D, dtype=np.int64)
-        if doc_D.size and (doc_D.min() < 0 or doc_D.max() >= len(self)):
+    def _locate(self, doc_W: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        doc_W = np.asarray(doc_W, dtype=np.int64)
+        if doc_W.size and (doc_W.min() < 0 or doc_W.max() >= len(self)):
             raise IndexError(f"document index out of range [0, {len(self)})")
-        shard_D = np.searchsorted(self._first_doc, doc_D, side="right") - 1
-        return shard_D, doc_D - self._first_doc[shard_D]
+        shard_W = np.searchsorted(self._first_doc, doc_W, side="right") - 1
+        return shard_W, doc_W - self._first_doc[shard_W]
 
-    def _bounds(self, doc_D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _bounds(self, doc_W: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, start, end) token offsets of each document within its shard."""
-        shard_D, local_D = self._locate(doc_D)
-        start_D = np.zeros(len(shard_D), dtype=np.int64)
-        end_D = np.zeros(len(shard_D), dtype=np.int64)
+        shard_W, local_W = self._locate(doc_W)
+        start_W = np.zeros(len(shard_W), dtype=np.int64)
+        end_W = np.zeros(len(shard_W), dtype=np.int64)
         maps = self._mapped()
-        for s in np.unique(shard_D).tolist():
-            sel = shard_D == s
+        for s in np.unique(shard_W).tolist():
+            sel = shard_W == s
             ends = maps[s][1]
-            local = local_D[sel]
-            end_D[sel] = ends[local]
-            start_D[sel] = np.where(local > 0, ends[np.maximum(local - 1, 0)], 0)
-        return shard_D, start_D, end_D
+            local = local_W[sel]
+            end_W[sel] = ends[local]
+            start_W[sel] = np.where(local > 0, ends[np.maximum(local - 1, 0)], 0)
+        return shard_W, start_W, end_W
 
-    def lengths(self, doc_D: np.ndarray) -> np.ndarray:
+    def lengths(self, doc_W: np.ndarray) -> np.ndarray:
         """Tokens (EOS included) of each document; reads metadata only."""
-        _, start_D, end_D = self._bounds(doc_D)
-        return end_D - start_D
+        _, start_W, end_W = self._bounds(doc_W)
+        return end_W - start_W
 
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of one document (a view into the memory map)."""
         return self.read_many(np.array([doc]), np.array([start]), np.array([stop]))[0]
 
-    def read_many(self, doc_P: np.ndarray, start_P: np.ndarray, stop_P: np.ndarray
+    def read_many(self, doc_Z: np.ndarray, start_Z: np.ndarray, stop_Z: np.ndarray
                   ) -> list[np.ndarray]:
         """Tokens [start, stop) of each listed document, with one metadata lookup."""
-        shard_P, base_P, end_P = self._bounds(doc_P)
-        start_P, stop_P = np.asarray(start_P), np.asarray(stop_P)
-        bad = (start_P < 0) | (start_P > stop_P) | (stop_P > end_P - base_P)
+        shard_Z, base_Z, end_Z = self._bounds(doc_Z)
+        start_Z, stop_Z = np.asarray(start_Z), np.asarray(stop_Z)
+        bad = (start_Z < 0) | (start_Z > stop_Z) | (stop_Z > end_Z - base_Z)
         if bad.any():
             i = int(np.argmax(bad))
-            raise IndexError(f"tokens [{start_P[i]}, {stop_P[i]}) outside document {doc_P[i]} "
-                             f"of {end_P[i] - base_P[i]} tokens")
+            raise IndexError(f"tokens [{start_Z[i]}, {stop_Z[i]}) outside document {doc_Z[i]} "
+                             f"of {end_Z[i] - base_Z[i]} tokens")
         maps = self._mapped()
         return [maps[s][0][b + lo:b + hi] for s, b, lo, hi in
-                zip(shard_P.tolist(), base_P.tolist(), start_P.tolist(), stop_P.tolist())]
+                zip(shard_Z.tolist(), base_Z.tolist(), start_Z.tolist(), stop_Z.tolist())]

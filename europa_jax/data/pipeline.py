@@ -1,26 +1,28 @@
 """Training input pipeline on Grain: shuffled documents → balanced packed rows → this process.
 
     MapDataset.range(docs).shuffle(seed).repeat()      a fresh permutation every epoch
-      → _PlanDataset          next R·S tokens of the stream, packed into R rows and laid
-                              out over N ranks (lengths only: no tokens are read)
+      → _PlanDataset          next B·S tokens of the stream, packed into B rows and laid
+                              out over J ranks (lengths only: no tokens are read)
       → .map(_ReadRows)       this process's rows: tokens, segment_ids, positions
       → ThreadPrefetch        batches are made while the step runs
       → BatchIterator         what the loop holds: __next__, .stats, get_state/set_state
 
 Every process computes the same plan for the whole global batch from document lengths
 (8 bytes of metadata per document), then reads the tokens of its own rows only.  Rows
-are device-major (row r lives on rank r // (R / N)); process i holds ranks
-[i·N/P, (i+1)·N/P) and so rows [i·R/P, (i+1)·R/P), the contiguous block that
+are device-major (row r lives on rank r // (B / J)); process i holds ranks
+[i·J/n, (i+1)·J/n) and so rows [i·B/n, (i+1)·B/n), the contiguous block that
 `jax.make_array_from_process_local_data` expects for a batch sharded over (data, expert).
 
 Per row (B rows of this process, S = seq_len):
-* ``tokens_BS``: every global batch is exactly the next R·S tokens of the shuffled
+* ``tokens_BS``: every global batch is exactly the next B·S tokens of the shuffled
   stream, so within an epoch no token is lost or duplicated.  A document longer than a
   row, or one that does not fit, is split; a piece never shares a segment with another.
 * ``segment_ids_BS``: 1, 2, 3, ... per document piece within a row (0 = padding; rows
   are always full, so it does not occur).
 * ``positions_BS``: position within the piece, restarting at 0 for every piece,
   including the continuation of a split document (it cannot attend to its head anyway).
+
+Shape suffixes (europa_jax/__init__.py): Z placed pieces, I sources, J ranks.
 
 The iterator state is three integers plus a fingerprint of the pipeline settings; it is
 global (the same on every process), so a run can resume with a different process count.
@@ -35,10 +37,10 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from europa_jax.data import packing
 from europa_jax.config import MIN_SEQ_LEN
-from europa_jax.data.corpus import DataError, TokenCorpus
+from europa_jax.data import packing
 from europa_jax.data.batch_plan import BatchPlan, Planner, Stream
+from europa_jax.data.corpus import DataError, TokenCorpus
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,12 +49,12 @@ class BatchStats:
 
     batch: int
     attention_cost_max_over_mean: float
-    rank_cost_N: np.ndarray   # Σ piece length² per rank (every rank holds R/N · S tokens)
+    rank_cost_J: np.ndarray   # Σ piece length² per rank (every rank holds B/J · S tokens)
     documents_split: int      # documents cut into more than one piece in this batch
-    documents_P: np.ndarray   # corpus index of each piece in this process's rows
-    sources_P: np.ndarray     # the source (data.sources) of each of those pieces
-    source_tokens_K: np.ndarray  # tokens of each source in the whole global batch
-    source_epochs_K: np.ndarray  # epochs of each source's documents consumed so far
+    documents_Z: np.ndarray   # corpus index of each piece in this process's rows
+    sources_Z: np.ndarray     # the source (data.sources) of each of those pieces
+    source_tokens_I: np.ndarray  # tokens of each source in the whole global batch
+    source_epochs_I: np.ndarray  # epochs of each source's documents consumed so far
 
 
 class _PlanIterator(grain.DatasetIterator):
@@ -108,48 +110,48 @@ class _ReadRows:
         self.vocab_size = int(corpora[0].manifest.tokenizer["vocab_size"])
 
     def __call__(self, plan: BatchPlan) -> dict:
-        a, b = np.searchsorted(plan.row_P, [self.lo, self.hi])
-        doc_P, start_P, length_P = plan.doc_P[a:b], plan.start_P[a:b], plan.length_P[a:b]
-        source_P, row_P = plan.source_P[a:b], plan.row_P[a:b] - self.lo
-        pieces = [None] * len(doc_P)
-        for k in np.unique(source_P):
-            mine = np.flatnonzero(source_P == k)
-            read = self.corpora[k].read_many(doc_P[mine], start_P[mine],
-                                             start_P[mine] + length_P[mine])
+        a, b = np.searchsorted(plan.row_Z, [self.lo, self.hi])
+        doc_Z, start_Z, length_Z = plan.doc_Z[a:b], plan.start_Z[a:b], plan.length_Z[a:b]
+        source_Z, row_Z = plan.source_Z[a:b], plan.row_Z[a:b] - self.lo
+        pieces = [None] * len(doc_Z)
+        for k in np.unique(source_Z):
+            mine = np.flatnonzero(source_Z == k)
+            read = self.corpora[k].read_many(doc_Z[mine], start_Z[mine],
+                                             start_Z[mine] + length_Z[mine])
             for i, piece in zip(mine, read):
                 pieces[i] = piece
         shape = (self.hi - self.lo, self.seq_len)
         # Pieces are sorted by row and every row is exactly full, so the concatenation
         # is the row-major token matrix.
         tokens_BS = np.concatenate(pieces).astype(np.int32).reshape(shape)
-        first_P = np.searchsorted(row_P, row_P)  # index of the row's first piece
-        segment_P = np.arange(len(row_P)) - first_P + 1
-        piece_start_P = np.cumsum(length_P) - length_P
-        positions = np.arange(tokens_BS.size) - np.repeat(piece_start_P, length_P)
+        first_Z = np.searchsorted(row_Z, row_Z)  # index of the row's first piece
+        segment_Z = np.arange(len(row_Z)) - first_Z + 1
+        piece_start_Z = np.cumsum(length_Z) - length_Z
+        positions = np.arange(tokens_BS.size) - np.repeat(piece_start_Z, length_Z)
         if int(tokens_BS.max(initial=0)) >= self.vocab_size:
-            bad = int(np.searchsorted(np.cumsum(length_P), np.argmax(tokens_BS >= self.vocab_size),
+            bad = int(np.searchsorted(np.cumsum(length_Z), np.argmax(tokens_BS >= self.vocab_size),
                                       side="right"))
-            raise DataError(f"{self.corpora[source_P[bad]].path}: document {doc_P[bad]} holds "
+            raise DataError(f"{self.corpora[source_Z[bad]].path}: document {doc_Z[bad]} holds "
                             f"a token id >= the manifest's vocab {self.vocab_size}; the shard "
                             "is corrupt")
-        rank_cost_N = plan.rank_cost_N
+        rank_cost_J = plan.rank_cost_J
         return {"tokens": tokens_BS,
-                "segment_ids": np.repeat(segment_P, length_P).astype(np.int32).reshape(shape),
+                "segment_ids": np.repeat(segment_Z, length_Z).astype(np.int32).reshape(shape),
                 "positions": positions.astype(np.int32).reshape(shape),
                 "stats": BatchStats(
                     batch=plan.index,
-                    attention_cost_max_over_mean=packing.max_over_mean(rank_cost_N),
-                    rank_cost_N=rank_cost_N,
+                    attention_cost_max_over_mean=packing.max_over_mean(rank_cost_J),
+                    rank_cost_J=rank_cost_J,
                     documents_split=_documents_split(plan),
-                    documents_P=doc_P, sources_P=source_P,
-                    source_tokens_K=plan.source_tokens_K,
-                    source_epochs_K=plan.source_epochs_K)}
+                    documents_Z=doc_Z, sources_Z=source_Z,
+                    source_tokens_I=plan.source_tokens_I,
+                    source_epochs_I=plan.source_epochs_I)}
 
 
 def _documents_split(plan: BatchPlan) -> int:
     """Documents cut into more than one piece in this batch (a document is its source and
     its index)."""
-    keys = plan.source_P * (int(plan.doc_P.max(initial=0)) + 1) + plan.doc_P
+    keys = plan.source_Z * (int(plan.doc_Z.max(initial=0)) + 1) + plan.doc_Z
     return int(len(keys) - len(np.unique(keys)))
 
 
@@ -217,7 +219,7 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
                           n_ranks: int = 1, seed: int = 0, balance: bool = True,
                           max_documents: int | None = None, process_index: int = 0,
                           process_count: int = 1, prefetch: int = 2) -> BatchIterator:
-    """This process's rows of global batches mixing `sources` by weight (data_plan.py)."""
+    """This process's rows of global batches mixing `sources` by weight (batch_plan.py)."""
     _validate(seq_len=seq_len, global_batch_size=global_batch_size, n_ranks=n_ranks, seed=seed,
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)

@@ -5,7 +5,7 @@
 - the validation split: `data.validation_fraction` holds out documents of every source by
   a hash of their index (split_documents), `data.validation_path` names a corpus of its own.
 Each corpus is checked against the model's vocab and the expected tokenizer before any
-compile; data.py builds the iterators.
+compile; pipeline.py builds the iterators.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from europa_jax.data.corpus import MANIFEST, DataError, TokenCorpus
-from europa_jax.data.pipeline import BatchIterator, Source, make_mixture_iterator
+from europa_jax.data.corpus import DataError, MANIFEST, TokenCorpus
+from europa_jax.data.pipeline import BatchIterator, make_mixture_iterator, Source
 
 if TYPE_CHECKING:
     from europa_jax.config import Config

@@ -8,7 +8,7 @@ backward recomputes one chunk's logits, takes their gradient and adds the chunk'
 the head's gradient before the next chunk. Peak memory is one chunk's logits times a small
 factor; the extra cost is the head matmul once more (2·T·D·V FLOPs, ~1 % of a step).
 
-Shape legend: B batch, S sequence, C chunk, N chunks, D model width, V (padded) vocabulary.
+Shape suffixes (europa_jax/__init__.py): X chunks of the sequence, Y positions in one.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ def token_nll(x_BSD, head_DV, targets_BS, vocab_size: int, chunk_tokens: int):
     b, s, d = x_BSD.shape
 
     @jax.checkpoint  # save the chunk's inputs, not its [B, C, V] logits
-    def chunk_nll(x_BCD, targets_BC):
+    def chunk_nll(x_BYD, targets_BY):
         return optax.softmax_cross_entropy_with_integer_labels(
-            logits(x_BCD, head_DV, vocab_size), targets_BC)
+            logits(x_BYD, head_DV, vocab_size), targets_BY)
 
     if chunk_tokens == 0 or chunk_tokens >= s:
         return chunk_nll(x_BSD, targets_BS)
     n = s // chunk_tokens
-    x_NBCD = x_BSD.reshape(b, n, chunk_tokens, d).swapaxes(0, 1)
-    targets_NBC = targets_BS.reshape(b, n, chunk_tokens).swapaxes(0, 1)
+    x_XBYD = x_BSD.reshape(b, n, chunk_tokens, d).swapaxes(0, 1)
+    targets_XBY = targets_BS.reshape(b, n, chunk_tokens).swapaxes(0, 1)
     # A sequential map: one chunk's logits live at a time, forward and backward.
-    nll_NBC = jax.lax.map(lambda chunk: chunk_nll(*chunk), (x_NBCD, targets_NBC))
-    return nll_NBC.swapaxes(0, 1).reshape(b, s)
+    nll_XBY = jax.lax.map(lambda chunk: chunk_nll(*chunk), (x_XBYD, targets_XBY))
+    return nll_XBY.swapaxes(0, 1).reshape(b, s)

@@ -31,8 +31,8 @@ import sys
 import traceback
 from typing import Mapping
 
+from europa_jax.config import check_device_count, ConfigError, MeshConfig
 from europa_jax.run import exit_codes, logs
-from europa_jax.config import ConfigError, MeshConfig, check_device_count
 
 log = logging.getLogger(__name__)
 

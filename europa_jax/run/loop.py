@@ -16,15 +16,15 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax.run import checkpoint, distributed, logs, run_log
+from europa_jax.config import check_device_count, CheckpointConfig, Config
+from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
-from europa_jax.config import CheckpointConfig, Config, check_device_count
-from europa_jax.config_loader import to_dict
+from europa_jax.run import checkpoint, distributed, logs, run_log
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
-from europa_jax.train.train import Trainer, build_trainer, init_state, jit_eval_step, jit_train_step
+from europa_jax.train.train import build_trainer, init_state, jit_eval_step, jit_train_step, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
               "mfu": step_flops / step_time / jax.device_count() / peak,
               "attention_cost_max_over_mean": stats.attention_cost_max_over_mean,
               "compiled": compiled}
-    if len(stats.source_tokens_K) > 1:  # a mixture (data.sources): each source's share, epochs
-        record["source_token_fraction"] = (stats.source_tokens_K / tokens_per_step).tolist()
-        record["source_epochs"] = stats.source_epochs_K.tolist()
+    if len(stats.source_tokens_I) > 1:  # a mixture (data.sources): each source's share, epochs
+        record["source_token_fraction"] = (stats.source_tokens_I / tokens_per_step).tolist()
+        record["source_epochs"] = stats.source_epochs_I.tolist()
     return record
 
 

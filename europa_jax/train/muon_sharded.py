@@ -81,24 +81,27 @@ def orthogonalize_spread(x: jax.Array, dims: MuonDimensionNumbers, spec: P, mesh
     batch_entry = _spec_entry(batch_mesh)
     spread_entry = _spec_entry(batch_mesh + sum((entry_axes(entries[d]) for d in moved), ()))
     # [s, n/s, *matrix] in the parameter's layout: sharded batch axes lead, so this is local
-    x_T = constrain(x.transpose(order), *[entries[a] for a in order])
-    x_SQ = constrain(x_T.reshape((s, n // s) + mat_shape), batch_entry, None,
-                     *[entries[a] for a in matrix_axes])
-    x_SQ = jnp.pad(x_SQ, [(0, 0), (0, math.prod(r_each) * q - n // s)] + [(0, 0)] * len(mat_shape))
-    x_SRQ = x_SQ.reshape((s, *r_each, q) + mat_shape)
+    x_ordered = constrain(x.transpose(order), *[entries[a] for a in order])
+    x_local = constrain(x_ordered.reshape((s, n // s) + mat_shape), batch_entry, None,
+                        *[entries[a] for a in matrix_axes])
+    x_local = jnp.pad(x_local, [(0, 0), (0, math.prod(r_each) * q - n // s)]
+                      + [(0, 0)] * len(mat_shape))
+    x_spread = x_local.reshape((s, *r_each, q) + mat_shape)
     for j in range(len(moved) + 1):
-        x_SRQ = moved_first(x_SRQ, j)
-    x_NMK = constrain(x_SRQ.reshape(-1, m, k), spread_entry, None, None)
-    o_NMK = _muon.orthogonalize_via_newton_schulz(
-        x_NMK, ns_coeffs, ns_steps, "frobenius", eps, MuonDimensionNumbers(1, 2))
-    o_NMK = constrain(o_NMK, spread_entry, None, None)
+        x_spread = moved_first(x_spread, j)
+    matrices = constrain(x_spread.reshape(-1, m, k), spread_entry, None, None)
+    ortho = _muon.orthogonalize_via_newton_schulz(
+        matrices, ns_coeffs, ns_steps, "frobenius", eps, MuonDimensionNumbers(1, 2))
+    ortho = constrain(ortho, spread_entry, None, None)
     # and back: the inverse all-to-alls, drop the padding, undo the transpose
-    o_SRQ = o_NMK.reshape(x_SRQ.shape)
+    ortho_spread = ortho.reshape(x_spread.shape)
     for j in reversed(range(len(moved) + 1)):
-        o_SRQ = moved_first(o_SRQ, j)
-    o_SQ = o_SRQ.reshape((s, -1) + mat_shape)
-    o_T = constrain(o_SQ[:, :n // s].reshape(x_T.shape), *[entries[a] for a in order])
-    return constrain(o_T.transpose(tuple(order.index(a) for a in range(x.ndim))), *entries)
+        ortho_spread = moved_first(ortho_spread, j)
+    ortho_local = ortho_spread.reshape((s, -1) + mat_shape)
+    ortho_ordered = constrain(ortho_local[:, :n // s].reshape(x_ordered.shape),
+                              *[entries[a] for a in order])
+    return constrain(ortho_ordered.transpose(tuple(order.index(a) for a in range(x.ndim))),
+                     *entries)
 
 
 def scale_by_muon(*, ns_steps: int, beta: float, eps: float, dims_fn: Callable[[Any], Any],
