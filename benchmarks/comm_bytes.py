@@ -26,7 +26,7 @@ def lowered_collectives(cfg):
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
     with jax.set_mesh(mesh):
-        lowered = train.jit_train_step(trainer).lower(train.abstract_state(trainer),
+        lowered = train.jit_train_step(trainer).lower(trainer.abstract_state,
                                                       train.abstract_batch(trainer))
     return hlo_report.summarize(hlo_report.collectives(lowered.compiler_ir("hlo").as_hlo_text(),
                                                        mesh))

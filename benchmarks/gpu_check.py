@@ -148,7 +148,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
     """Compile `program` for the mesh's compile-only GPU at its inputs' shapes."""
     import jax
 
-    from europa_jax.plan import gpu_target, gpu_program
+    from europa_jax.plan import gpu_program, gpu_target
 
     start = time.perf_counter()
     specs = tuple(jax.tree.map(lambda s, i=i: jax.ShapeDtypeStruct(

@@ -60,7 +60,7 @@ def inputs(program: Program, mesh) -> tuple:
 
 def check_config(smoke: bool, tokens: int):
     """europa-952b as one MoE layer on one GPU of an expert-parallel node, fed one document
-    of `tokens` (the data and mesh say so, for plan_gpu.dense_expert_buffers)."""
+    of `tokens` (the data and mesh say so, for gpu_program.dense_expert_buffers)."""
     from europa_jax.config import MeshConfig
     from europa_jax.config_loader import load_config
 

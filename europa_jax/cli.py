@@ -11,10 +11,10 @@ import json
 import os
 import sys
 
-from europa_jax.run import exit_codes, jax_start, logs
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.data.corpus import DataError
+from europa_jax.run import exit_codes, jax_start, logs
 from europa_jax.run.distributed import StartError
 
 
@@ -217,17 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             return exit_codes.OK
         if args.command == "plan":
             return _plan(args, cfg)
-        if args.command == "count":
-            _use_cpu_devices(1)
-            from europa_jax.train.train import abstract_variables, without_storage_padding
-            import flax.linen as nn
+        if args.command == "count":  # from the parameter table: no devices, no tracing
             from europa_jax.model import flops
             from europa_jax.train import optim
 
-            # the model's own shapes: storage padding (model.param_pad_multiple) is no parameter
-            params = nn.unbox(abstract_variables(without_storage_padding(cfg)))
-            report = flops.parameter_counts(cfg.model, params)
-            report["muon_fraction"] = optim.muon_fraction(params)
+            report = flops.parameter_counts(cfg.model)
+            report["muon_fraction"] = optim.muon_fraction(cfg.model)
             print(json.dumps(report, indent=2))
             return exit_codes.OK
         from europa_jax.run import distributed

@@ -15,6 +15,10 @@ from typing import Any, Literal
 
 # A row needs at least one input token and its next-token target.
 MIN_SEQ_LEN = 2
+# The byte-level tokenizer's vocabulary: 256 bytes and an end-of-document token. The
+# default corpus (the Python standard library's sources) is byte-level, so a config that
+# trains on it needs at least this many rows.
+BYTE_VOCAB_SIZE = 257
 
 
 class ConfigError(ValueError):
@@ -249,7 +253,7 @@ class MixtureSource:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Input pipeline (europa_jax/data.py): which corpus, how rows are packed and balanced."""
+    """Input pipeline (europa_jax/data/pipeline.py): which corpus, how rows are packed and balanced."""
 
     # stdlib: this interpreter's standard library, prepared into a cache on first use;
     # prepared: a directory written by `europa-jax prepare` (data.path).
@@ -257,7 +261,7 @@ class DataConfig:
     path: str | None = None
     # A weighted mixture of prepared corpora made with one tokenizer, instead of `path`:
     # [{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]; weights are
-    # normalized, and every batch holds each corpus's share of its tokens (data_plan.py).
+    # normalized, and every batch holds each corpus's share of its tokens (data/batch_plan.py).
     sources: tuple[MixtureSource, ...] = ()
     # Expected tokenizer ("bytes" or a tokenizer.json); a corpus prepared with another one
     # is refused.  null: trust the corpus manifest.
@@ -394,8 +398,6 @@ class Config:
             raise ConfigError(f"train.eval_every: {self.train.eval_every} but there are no "
                               "validation documents (set data.validation_fraction or "
                               "data.validation_path)")
-        from europa_jax.data.tokenizer import BYTE_VOCAB_SIZE  # the stdlib corpus is byte-level
-
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "
                               "byte-level stdlib corpus")

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.run import checkpoint, exit_codes, loop
-from europa_jax.parallel import sharding
-from europa_jax.train import train
 from europa_jax.config import MeshConfig
+from europa_jax.parallel import sharding
+from europa_jax.run import checkpoint, exit_codes, loop
+from europa_jax.train import train
 from conftest import REPO, config_path
 
 # Small enough that one compile is ~20 s on 2 cores; the compilation cache makes reruns ~5 s.

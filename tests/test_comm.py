@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from europa_jax.parallel import comm, sharding
+from europa_jax.config import CommConfig, MeshConfig
+from europa_jax.model.moe import MoE
+from europa_jax.parallel import comm, layout, sharding
 from europa_jax.plan import hlo_report
 from europa_jax.train import train
-from europa_jax.config import MeshConfig
-from europa_jax.model.moe import MoE
 from test_moe import dense_reference
 
 MESH = MeshConfig(data=2, expert=4)
@@ -26,8 +26,10 @@ def mesh():
     return sharding.make_mesh(MESH)
 
 
-def ctx_for(mesh, **kw):
-    return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh), **kw)
+def ctx_for(mesh, model, **comm_kw):
+    """The SPMD context of `model`'s parameters on `mesh`, dense exchange unless told."""
+    return comm.SpmdContext(layout=layout.for_mesh(model, sharding.mesh_shape_of(mesh)),
+                            comm=CommConfig(**{"expert_exchange": "dense", **comm_kw}))
 
 
 # ----------------------------------------------------------------------------- FSDP gather
@@ -45,7 +47,7 @@ def gathered(mesh, w, axes, ctx):
 
     def body(w_local, x_local):
         with comm.spmd(ctx):
-            full = comm.gather_weight(w_local, axes, w.shape, jnp.float32)
+            full = comm.gather_weight(w_local, layout.gather_plan(axes, spec), jnp.float32)
             return full[None], comm.psum_all(jnp.sum(jnp.sin(full) * x_local[0]))
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(spec, BATCH),
@@ -57,18 +59,18 @@ def gathered(mesh, w, axes, ctx):
 
 @pytest.mark.parametrize("axes,shape", [(("embed", "mlp"), (16, 24)), (("kv_lora",), (12,)),
                                         (("norm",), (10,))])
-def test_fp32_gather_is_exact_and_its_gradient_sums_every_device(mesh, axes, shape):
+def test_fp32_gather_is_exact_and_its_gradient_sums_every_device(mesh, axes, shape, tiny_cfg):
     w = jax.random.normal(jax.random.key(0), shape)
-    full, grad, expected = gathered(mesh, w, axes, ctx_for(mesh))
+    full, grad, expected = gathered(mesh, w, axes, ctx_for(mesh, tiny_cfg.model))
     np.testing.assert_array_equal(full, w)
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_fp8_gather_error_is_bounded_by_e4m3_resolution(mesh):
+def test_fp8_gather_error_is_bounded_by_e4m3_resolution(mesh, tiny_cfg):
     w = jax.random.normal(jax.random.key(1), (16, 24))
     full, grad, expected = gathered(
         mesh, w, ("embed", "mlp"),
-        ctx_for(mesh, weight_gather_dtype="fp8", grad_reduce_dtype="bf16"))
+        ctx_for(mesh, tiny_cfg.model, weight_gather_dtype="fp8", grad_reduce_dtype="bf16"))
     rel = np.abs(np.asarray(full - w)) / np.abs(np.asarray(w)).max()
     assert 0 < rel.max() < 2**-4  # e4m3: 3 mantissa bits (one scale for the whole tensor)
     # d/dW of Σ sin(fp8(W))·x is cos(fp8(W))·Σx (straight-through), summed in bf16.
@@ -77,12 +79,10 @@ def test_fp8_gather_error_is_bounded_by_e4m3_resolution(mesh):
 
 
 def test_expert_weights_keep_their_expert_sharding(mesh):
-    ctx = ctx_for(mesh)
-    plan = comm.gather_plan(("experts", "expert_embed", "expert_mlp"), (8, 6, 4),
-                            ctx.mesh_shape)
-    assert plan == ((1, ("data",)),)  # only the FSDP part is gathered
-    with comm.spmd(ctx):
-        assert comm.local_shape(("experts", "expert_embed", "expert_mlp"), (8, 6, 4)) == (2, 3, 4)
+    axes = ("experts", "expert_embed", "expert_mlp")
+    resolved = layout.resolve(axes, (8, 6, 4), 1, sharding.mesh_shape_of(mesh))
+    assert resolved.gather == ((1, ("data",)),)  # only the FSDP part is gathered
+    assert resolved.local_shape == (2, 3, 4)
 
 
 # ----------------------------------------------------------------------------- MoE exchange
@@ -109,7 +109,7 @@ def _moe_fn(mesh, moe, boxed, ctx):
     """jit(shard_map(MoE.apply)) — compiled once per model config and context."""
     key = (moe.cfg, ctx)
     if key not in _COMPILED:
-        specs = sharding.specs_for(boxed, ctx.mesh_shape)
+        specs = ctx.layout.specs({"moe": boxed})["moe"]  # roles: the module's path in a block
 
         def body(p, x_local, b):
             with comm.spmd(ctx):
@@ -131,7 +131,7 @@ ROUTINGS = {
 @pytest.fixture(scope="module")
 def ep_and_reference(tiny_cfg, mesh):
     cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=1, topk_group=1)
-    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh))
+    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh, moe.cfg))
     ref = jax.jit(functools.partial(dense_reference, cfg=cfg))
     loss = lambda f: jax.jit(jax.grad(lambda p, x, b: jnp.sum(jnp.sin(f(p, x, b)))))
     return cfg, x, params, ep, ref, loss(lambda p, x, b: ep(p, x, b)[0]), loss(ref)
@@ -161,7 +161,7 @@ def test_chunked_expert_parallel_moe_equals_dense_reference(tiny_cfg, mesh):
     cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=1, topk_group=1,
                                            moe_chunk_tokens=8)
     bias = ROUTINGS["all_to_one_device"](16)  # the worst case for per-chunk buffers
-    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh))
+    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh, moe.cfg))
     y, stats = ep(params, x, bias)
     np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
@@ -177,7 +177,7 @@ def test_group_limited_routing_sends_each_token_to_at_most_topk_group_devices(ti
     rows = {}
     for groups in (1, 2):
         cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=4, topk_group=groups)
-        y, stats = moe_on_mesh(mesh, moe, boxed, params, x, jnp.zeros(16), ctx_for(mesh))
+        y, stats = moe_on_mesh(mesh, moe, boxed, params, x, jnp.zeros(16), ctx_for(mesh, moe.cfg))
         np.testing.assert_allclose(y, dense_reference(params, x, jnp.zeros(16), cfg),
                                    rtol=1e-5, atol=1e-5)
         rows[groups] = int(stats["exchanged_rows"])
@@ -191,7 +191,7 @@ def test_capacity_factor_drops_and_reports_it(tiny_cfg, mesh):
     cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=1, topk_group=1,
                                            moe_capacity_factor=0.5)
     bias = ROUTINGS["all_to_one_device"](16)
-    _, stats = moe_on_mesh(mesh, moe, boxed, params, x, bias, ctx_for(mesh))
+    _, stats = moe_on_mesh(mesh, moe, boxed, params, x, bias, ctx_for(mesh, moe.cfg))
     dropped = 1 - int(stats["processed_copies"]) / int(stats["routed_copies"])
     # Every token wants one row on device 2 (16 per source); capacity ceil(0.5·16·4/4) = 8.
     assert dropped == pytest.approx(0.5)
@@ -205,7 +205,7 @@ def lowered_step_hlo(cfg, mesh, spmd=None):
     if spmd is not None:
         trainer = dataclasses.replace(trainer, spmd=spmd)
     with jax.set_mesh(mesh):
-        lowered = train.jit_train_step(trainer).lower(train.abstract_state(trainer),
+        lowered = train.jit_train_step(trainer).lower(trainer.abstract_state,
                                                       train.abstract_batch(trainer))
     return lowered.compiler_ir("hlo").as_hlo_text()
 
@@ -239,7 +239,7 @@ def test_lowered_step_collectives_dtypes_and_axes(tiny_cfg, mesh):
 
 def test_ragged_exchange_lowers_to_ragged_all_to_all_over_expert_groups(tiny_cfg, mesh):
     """XLA:CPU cannot run it, but the GPU program must lower with the right groups."""
-    trainer_ctx = ctx_for(mesh, expert_exchange="ragged")
+    trainer_ctx = ctx_for(mesh, tiny_cfg.model, expert_exchange="ragged")
     hlo = lowered_step_hlo(tiny_cfg, mesh, spmd=trainer_ctx)
     ragged = [c for c in hlo_report.collectives(hlo, mesh) if c.op == "ragged-all-to-all"]
     assert ragged and all(c.axes == ("expert",) for c in ragged)

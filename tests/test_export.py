@@ -14,12 +14,12 @@ import torch  # the test extra: an independent DeepseekV3 to compare logits with
 import transformers
 from safetensors import safe_open
 
-from europa_jax.run import checkpoint, exit_codes, loop
-from europa_jax.interop import hf_import
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
+from europa_jax.interop import hf_import
 from europa_jax.interop.export import export
 from europa_jax.model.transformer import Transformer
+from europa_jax.run import checkpoint, exit_codes, loop
 from conftest import REPO, config_path, split_padding
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.

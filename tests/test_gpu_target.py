@@ -1,5 +1,5 @@
 """The GPU program, compiled on this CPU-only machine for 8 GH200s (2 nodes × 4): the
-collectives, kernels and memory a GPU run would get (gpu_target.py, plan_gpu.py).
+collectives, kernels and memory a GPU run would get (plan/gpu_target.py, plan/gpu_program.py).
 
 These need the `gpu` extra (the CUDA plugin and ptxas); without it they skip, except in
 CI (`EUROPA_JAX_REQUIRE_GPU_COMPILE=1`), where a missing toolchain fails them.
@@ -15,11 +15,11 @@ import sys
 import pytest
 
 from europa_jax import cli
-from europa_jax.plan import gpu_target, hlo_report, gpu_program
-from europa_jax.parallel import offload, sharding
-from europa_jax.train import train
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
+from europa_jax.parallel import offload, sharding
+from europa_jax.plan import gpu_program, gpu_target, hlo_report
+from europa_jax.train import train
 from conftest import REPO, config_path
 
 MISSING = gpu_target.missing_toolchain()
@@ -59,7 +59,7 @@ def compile_for_gpu(cfg):
     numbers, largest, facts = gpu_program.measure(cfg, mesh)
     trainer = train.build_trainer(cfg, mesh)
     return {"cfg": cfg, "mesh": mesh, "numbers": numbers, "largest": largest, "facts": facts,
-            "state": train.abstract_state(trainer)}
+            "state": trainer.abstract_state}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from europa_jax.model import kernels
-from europa_jax.model.moe import MoE, compute_local_experts, dispatch_layout, grouped_swiglu, route
+from europa_jax.model.moe import compute_local_experts, dispatch_layout, grouped_swiglu, MoE, route
 
 
 @pytest.fixture
@@ -55,16 +55,16 @@ def test_bias_changes_selection_not_gate_weights(moe_cfg):
 def dense_reference(params, x_BSD, bias_E, cfg):
     """Every token through its chosen experts one by one: no sorting, no grouping."""
     x_TD = x_BSD.reshape(-1, cfg.d_model)
-    weights_TK, experts_TK = route(x_TD @ params["w_router"], bias_E, cfg)
+    weights_TU, experts_TU = route(x_TD @ params["w_router"], bias_E, cfg)
 
     def expert(e, x_D):
         h = jax.nn.silu(x_D @ params["w_gate"][e]) * (x_D @ params["w_up"][e])
         return h @ params["w_down"][e]
 
-    def token(x_D, w_K, e_K):
-        return sum(w_K[j] * expert(e_K[j], x_D) for j in range(cfg.top_k))
+    def token(x_D, w_U, e_U):
+        return sum(w_U[j] * expert(e_U[j], x_D) for j in range(cfg.top_k))
 
-    routed = jax.vmap(token)(x_TD, weights_TK, experts_TK)
+    routed = jax.vmap(token)(x_TD, weights_TU, experts_TU)
     s = params["shared"]
     shared = (jax.nn.silu(x_TD @ s["w_gate"]) * (x_TD @ s["w_up"])) @ s["w_down"]
     return (routed + shared).reshape(x_BSD.shape)

@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,10 +9,10 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from europa_jax.config import MeshConfig, OptimConfig
+from europa_jax.parallel import layout, sharding
 from europa_jax.plan import hlo_report
 from europa_jax.train import optim, train
-from europa_jax.parallel import sharding
-from europa_jax.config import MeshConfig, OptimConfig
 
 
 def optax_reference(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
@@ -43,7 +42,7 @@ def trajectory(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg.optim, warmup_steps=1)  # a nonzero lr from step 0
     rng = np.random.default_rng(0)
     normal = lambda a: rng.standard_normal(a.shape).astype(a.dtype)
-    params = jax.tree.map(normal, nn.unbox(train.abstract_variables(tiny_cfg)))
+    params = jax.tree.map(normal, train.abstract_params(tiny_cfg))
     grads = [jax.tree.map(normal, params) for _ in range(3)]
     reference = optax_reference(cfg, 10)
     reference_step = jax.jit(_step(reference))
@@ -68,7 +67,8 @@ def test_spread_muon_equals_optax_muon_on_the_model(tiny_cfg, trajectory, data, 
     over both mesh axes, dense stacks padded with zero matrices) against optax unsharded."""
     cfg, params, grads, reference_updates, reference_params = trajectory
     mesh = sharding.make_mesh(MeshConfig(data=data, expert=expert))
-    specs = sharding.specs_for(train.abstract_variables(tiny_cfg), sharding.mesh_shape_of(mesh))
+    specs = layout.for_mesh(tiny_cfg.model, sharding.mesh_shape_of(mesh)).specs(
+        train.abstract_params(tiny_cfg))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     spread = optim.build_optimizer(cfg, 10, mesh, specs)
     state_shardings = train.shardings_like_params(  # as the trainer lays out its state

@@ -35,7 +35,7 @@ def lowered(cfg):
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
     with jax.set_mesh(mesh):
-        return trainer, train.jit_train_step(trainer).lower(train.abstract_state(trainer),
+        return trainer, train.jit_train_step(trainer).lower(trainer.abstract_state,
                                                             train.abstract_batch(trainer))
 
 
@@ -49,7 +49,7 @@ def host_placements(hlo):
 
 def test_lowered_step_reads_state_from_host_and_writes_it_back(tiny_cfg):
     trainer, low = lowered(with_offload(tiny_cfg, optimizer_state=True))
-    n_state = sum(1 for x in jax.tree.leaves(train.abstract_state(trainer).opt_state) if x.ndim)
+    n_state = sum(1 for x in jax.tree.leaves(trainer.abstract_state.opt_state) if x.ndim)
     # The step's signature: every offloaded leaf comes in and goes out in host memory.
     assert low.as_text().count('mhlo.memory_kind = "pinned_host"') == 2 * n_state
     hlo = low.compiler_ir("hlo").as_hlo_text()
@@ -61,7 +61,7 @@ def test_lowered_step_reads_state_from_host_and_writes_it_back(tiny_cfg):
 def step_jaxpr(cfg):
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
     return str(jax.make_jaxpr(lambda s, b: train.train_step(s, b, trainer=trainer))(
-        train.abstract_state(trainer), train.abstract_batch(trainer)))
+        trainer.abstract_state, train.abstract_batch(trainer)))
 
 
 def test_each_activation_preset_changes_the_program_as_named(tiny_cfg):

@@ -12,8 +12,8 @@ import sys
 import jax
 import pytest
 
-from europa_jax.plan import hardware, plan, step_compile
 from europa_jax.parallel import offload, sharding
+from europa_jax.plan import hardware, plan, step_compile
 from europa_jax.train import train
 from conftest import REPO, config_path
 
@@ -44,7 +44,7 @@ def test_plan_state_bytes_equal_the_live_shards(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(tiny_cfg.offload,
                                                                     optimizer_state=True))
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-    held = offload.state_bytes(train.abstract_state(trainer))
+    held = offload.state_bytes(trainer.abstract_state)
     state = train.init_state(trainer, seed=0)
     for name, tree in (("params", state.params), ("optimizer_state", state.opt_state),
                        ("other_state", (state.step, state.router_bias_LE))):
@@ -97,7 +97,7 @@ def test_offloaded_activations_are_counted_from_the_step(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(
         tiny_cfg.offload, activations="offload_layer_inputs"))
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     with jax.set_mesh(trainer.mesh):
         jaxpr = train.jit_train_step(trainer).trace(state, batch).jaxpr.jaxpr
     rows = cfg.data.global_batch_size // cfg.mesh.n_devices
@@ -106,7 +106,7 @@ def test_offloaded_activations_are_counted_from_the_step(tiny_cfg):
 
     plain = train.build_trainer(tiny_cfg, trainer.mesh)
     with jax.set_mesh(plain.mesh):
-        jaxpr = train.jit_train_step(plain).trace(train.abstract_state(plain), batch).jaxpr.jaxpr
+        jaxpr = train.jit_train_step(plain).trace(plain.abstract_state, batch).jaxpr.jaxpr
     assert step_compile.offloaded_activation_bytes(jaxpr) == 0
 
 
@@ -114,7 +114,7 @@ def test_state_bytes_follow_shardings_and_memory_kinds(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, offload=dataclasses.replace(tiny_cfg.offload,
                                                                     optimizer_state=True))
     mesh = sharding.make_mesh(cfg.mesh)
-    state = train.abstract_state(train.build_trainer(cfg, mesh))
+    state = train.build_trainer(cfg, mesh).abstract_state
     held = offload.state_bytes(state)
     assert held["optimizer_state"]["pinned_host"] > 0
     assert held["optimizer_state"].get("device", 0) < 64  # only scalars stay on device

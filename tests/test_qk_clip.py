@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from europa_jax.plan import hlo_report
-from europa_jax.run import loop
-from europa_jax.train import qk_clip, train
-from europa_jax.parallel import sharding
 from europa_jax.config import ConfigError, MeshConfig, OptimConfig
 from europa_jax.model import kernels
 from europa_jax.model.attention import (MLAttention, attention_mask, blockwise_attention,
                                         library_attention, logit_scale)
 from europa_jax.model.layers import rope_tables
-from europa_jax.model.transformer import Transformer, init_router_bias
+from europa_jax.model.transformer import init_router_bias, Transformer
+from europa_jax.parallel import sharding
+from europa_jax.plan import hlo_report
+from europa_jax.run import loop
+from europa_jax.train import qk_clip, train
 
 needs_tokamax = pytest.mark.skipif(not kernels.tokamax_available(),
                                    reason="tokamax (the gpu extra) is not installed")
@@ -41,10 +41,10 @@ def dense_logit_max(q_BSHK, k_BSHK, segment_ids_BS, scale):
     """The definition: max of scale·q·k over visible (causal, same document) pairs whose
     query is not padding, per head."""
     s = q_BSHK.shape[1]
-    logits_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK) * scale
+    logits_BHSS = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK) * scale
     visible = attention_mask(jnp.arange(s), jnp.arange(s), segment_ids_BS, segment_ids_BS)
     visible = visible & (segment_ids_BS > 0)[:, None, :, None]
-    return jnp.where(visible, logits_BHST, -jnp.inf).max(axis=(0, 2, 3))
+    return jnp.where(visible, logits_BHSS, -jnp.inf).max(axis=(0, 2, 3))
 
 
 @pytest.mark.parametrize("block", [8, 16, 64])
@@ -262,7 +262,7 @@ def unstable(tiny_cfg):
         state = train.init_state(trainer, seed=0)
         with jax.set_mesh(mesh):
             compiled = train.jit_train_step(trainer).lower(
-                train.abstract_state(trainer), train.abstract_batch(trainer)).compile()
+                trainer.abstract_state, train.abstract_batch(trainer)).compile()
             history = []
             for _, (_, batch) in zip(range(steps), loop.device_batches(
                     trainer, loop.host_batch_iterator(cfg))):
@@ -329,7 +329,7 @@ def test_no_collective_either_where_w_kv_b_shards_its_heads_and_w_q_b_does_not(t
         assert specs["w_kv_b"][2] == "expert" and specs["w_q_b"][2] is None
         with jax.set_mesh(mesh):
             text = train.jit_train_step(trainer).lower(
-                train.abstract_state(trainer), train.abstract_batch(trainer)).compile().as_text()
+                trainer.abstract_state, train.abstract_batch(trainer)).compile().as_text()
         found[threshold] = hlo_report.summarize(hlo_report.collectives(text, mesh))
     assert found[30.0] == found[None]
 
@@ -343,7 +343,7 @@ def compiled_gpu_step(cfg):
 
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     trainer = train.build_trainer(cfg, mesh)
-    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     with gpu_target.lowering(mesh):
         compiled = gpu_target.compile_lowered(
             train.jit_train_step(trainer).trace(state, batch).lower(), mesh)

@@ -1,25 +1,42 @@
 """Logical-axis rules: every parameter of the real configs gets a dividing sharding."""
 
 import math
+from types import SimpleNamespace
 
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from europa_jax.parallel import sharding
+from europa_jax import param_table
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
-from europa_jax.train.train import abstract_variables
+from europa_jax.parallel import layout, sharding
+from europa_jax.train.train import abstract_params
 from conftest import config_path
 
 MESH_96x4 = {"data": 96, "expert": 4}
 
 
 def boxed_leaves(cfg):
-    boxed = abstract_variables(cfg)
-    flat = jax.tree_util.tree_flatten_with_path(
-        boxed, is_leaf=lambda x: hasattr(x, "names"))[0]
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+    """(path, leaf): each parameter's logical names (its row's, `layers` first where
+    stacked) and its stored shape (`.value.shape`)."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]:
+        axes = param_table.row_of_path(path).axes
+        names = ("layers",) * (len(leaf.shape) - len(axes)) + axes
+        out.append((jax.tree_util.keystr(path), SimpleNamespace(names=names, value=leaf)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "europa-952b.yaml", "kimi-k2.yaml"])
+def test_the_layout_is_the_rules_applied_to_each_stored_parameter(name):
+    """layout.py resolves each role once per mesh; for every leaf, stacked or not, that is
+    what the rules give its logical names and stored shape."""
+    cfg = load_config(config_path(name))
+    specs = layout.for_mesh(cfg.model, MESH_96x4).specs(abstract_params(cfg))
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(boxed_leaves(cfg), flat_specs):
+        assert spec == sharding.resolve_spec(leaf.names, leaf.value.shape, MESH_96x4), path
 
 
 def mesh_size(entry):

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.run import loop
-from europa_jax.parallel import sharding
-from europa_jax.train import train
 from europa_jax.config import MeshConfig
+from europa_jax.parallel import sharding
+from europa_jax.run import loop
+from europa_jax.train import train
 from conftest import REPO, config_path, train_for
 
 

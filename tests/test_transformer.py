@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.model.transformer import Transformer, init_router_bias
+from europa_jax.model.transformer import init_router_bias, Transformer
 
 
 def inputs(cfg, b=2, s=32, seed=0):

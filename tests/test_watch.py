@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, config_path
-from europa_jax.data import sources as data_sources
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
+from europa_jax.data import sources as data_sources
 
 SMALL = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
          "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
@@ -99,7 +99,7 @@ def test_memory_after_the_first_step_matches_the_state(watched_run):
               if json.loads(line)["event"] == "memory"]
     assert [m["step"] for m in memory] == [1, 3]  # the first step of each invocation
     cfg = load_config(config_path("tiny-cpu.yaml"), SMALL)
-    state = train.abstract_state(train.build_trainer(cfg, sharding.make_mesh(cfg.mesh)))
+    state = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh)).abstract_state
     expected = sum(n for part in offload.state_bytes(state).values() for n in part.values())
     assert sum(memory[0]["state_bytes_per_device"].values()) == expected
     assert "memory after step 1: train state per device: device" in first.stderr
@@ -175,13 +175,13 @@ def test_held_out_documents_never_reach_training_batches(tiny_cfg):
     batches = data_sources.batch_iterator_for(cfg)
     for _ in range(14):
         next(batches)
-        seen |= set(batches.stats.documents_P.tolist())
+        seen |= set(batches.stats.documents_Z.tolist())
     assert len(held_out) > 10 and seen == set(training.tolist())  # all of them, and only them
     first, again = data_sources.validation_iterator_for(cfg), data_sources.validation_iterator_for(cfg)
     for _ in range(3):
         a, b = next(first), next(again)
         assert all(np.array_equal(a[k], b[k]) for k in a)
-        assert set(first.stats.documents_P.tolist()) <= set(held_out.tolist())
+        assert set(first.stats.documents_Z.tolist()) <= set(held_out.tolist())
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -17,10 +17,10 @@ from typing import Protocol
 
 import numpy as np
 
+from europa_jax.config import BYTE_VOCAB_SIZE
 from europa_jax.data.corpus import DataError
 
-BYTE_EOS_ID = 256
-BYTE_VOCAB_SIZE = 257
+BYTE_EOS_ID = 256  # bytes are ids 0..255; BYTE_VOCAB_SIZE = 257
 # End-of-document tokens of common tokenizer families, tried in order when neither
 # --eos-token nor a tokenizer_config.json next to the file names one.
 KNOWN_EOS_TOKENS = ("<｜end▁of▁sentence｜>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>",

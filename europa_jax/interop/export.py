@@ -29,10 +29,11 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from europa_jax.run import checkpoint
-from europa_jax.interop import hf_layout, hf_tokenizer_files
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
+from europa_jax.interop import hf_layout, hf_tokenizer_files
+from europa_jax.run import checkpoint
+from europa_jax.train import train
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,10 @@ def resolve_step(run_dir: Path, step: int | None) -> Path:
 class CheckpointReader:
     """Reads slices of saved arrays, each region once, summing bits to verify the save."""
 
-    def __init__(self, step_dir: Path, expected_fingerprint: dict[str, int]):
+    def __init__(self, step_dir: Path, expected_fingerprint: dict[str, int],
+                 expected_shapes: dict[str, tuple[int, ...]]):
         self.step_dir, self.expected = step_dir, expected_fingerprint
+        self.expected_shapes = expected_shapes
         self.stores: dict = {}
         self.blocks: dict[str, tuple[tuple, np.ndarray]] = {}  # one cached block per key
         self.sums: dict[str, int] = {}
@@ -91,6 +94,11 @@ class CheckpointReader:
     def store(self, key: str):
         if key not in self.stores:
             self.stores[key] = checkpoint.open_saved_array(self.step_dir, key)
+            saved = tuple(self.stores[key].shape)
+            if saved != tuple(self.expected_shapes[key]):
+                raise checkpoint.CheckpointError(
+                    f"{self.step_dir}: {key} has shape {list(saved)} but its config implies "
+                    f"{list(self.expected_shapes[key])}")
         return self.stores[key]
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -155,12 +163,14 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     # before anything is written: a missing or changed tokenizer file is an error
     tok, no_tokenizer = hf_tokenizer_files.run_tokenizer(cfg, tokenizer)
     out_type, dtype_name = DTYPES[dtype]
-    reader = CheckpointReader(step_dir, meta["fingerprint"])
-    tensors = list(hf_layout.tensors(cfg.model, _LazyShapes(reader),
-                                     checkpoint.model_param_shapes(cfg)))
+    # what the checkpoint must hold, from its own config: checked as arrays are opened
+    ours = hf_layout.state_shapes(train.abstract_params(cfg), cfg.model)
+    reader = CheckpointReader(step_dir, meta["fingerprint"], ours)
+    tensors = list(hf_layout.tensors(cfg.model, ours))
+    float32 = {t.name for t in tensors if t.float32}
 
     def out_dtype(name: str):
-        return np.float32 if name.endswith(hf_layout.FLOAT32_ALWAYS) else out_type
+        return np.float32 if name in float32 else out_type
 
     def itemsize(name: str) -> int:
         return np.dtype(out_dtype(name)).itemsize
@@ -203,15 +213,3 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     return {"out": str(out_dir), "step": meta["step"], "files": len(files),
             "tensors": len(tensors), "bytes": total, "dtype": dtype_name,
             "tokenizer": tok.kind if tok and tokenizer_files else None}
-
-
-class _LazyShapes(dict):
-    """Leaf key → saved shape, opening each array only when first asked."""
-
-    def __init__(self, reader: CheckpointReader):
-        super().__init__()
-        self.reader = reader
-
-    def __missing__(self, key: str) -> tuple[int, ...]:
-        self[key] = self.reader.shape(key)
-        return self[key]

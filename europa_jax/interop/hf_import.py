@@ -28,12 +28,13 @@ from safetensors import safe_open
 
 from jax.experimental import multihost_utils
 
-from europa_jax.run import checkpoint, distributed
-from europa_jax.interop import hf_layout
-from europa_jax.train import train
+from europa_jax import param_table
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import to_dict
+from europa_jax.interop import hf_layout
 from europa_jax.interop.export import commit_output, prepare_output
+from europa_jax.run import checkpoint, distributed
+from europa_jax.train import train
 
 INDEX = "model.safetensors.index.json"
 
@@ -180,12 +181,12 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
     weights = SafetensorsDir(hf_dir)
 
     trainer = train.build_trainer(cfg, distributed.job_mesh(cfg.mesh))
-    abstract = {checkpoint.leaf_key(path): leaf for path, leaf in
-                jax.tree_util.tree_flatten_with_path({"params": trainer.abstract_params})[0]}
-    abstract[hf_layout.ROUTER_BIAS] = jax.ShapeDtypeStruct(
-        (cfg.model.n_moe_layers, cfg.model.n_routed_experts), jnp.float32)
-    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in abstract.items()},
-                                  checkpoint.model_param_shapes(cfg)))
+    # the leaves the HF tensors fill: the parameters and the router bias, as the state holds them
+    leaves = {checkpoint.leaf_key(path): leaf for path, leaf in
+              jax.tree_util.tree_flatten_with_path(
+                  {"params": trainer.abstract_params,
+                   param_table.ROUTER_BIAS.key: trainer.abstract_state.router_bias_LE})[0]}
+    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()}))
     check_weights(weights, plan, cfg.model.n_layers)
     # Every process checks the target (the same answer everywhere), process 0 makes the
     # directory all of them write into; Orbax then saves from every process.
@@ -196,22 +197,16 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
         by_key: dict[str, dict] = {}
         for t in plan:
             by_key.setdefault(t.source.key, {})[t.source.index] = t
-        shardings = {checkpoint.leaf_key(path): s for path, s in
-                     jax.tree_util.tree_flatten_with_path(
-                         {"params": trainer.state_shardings.params})[0]}
-        shardings[hf_layout.ROUTER_BIAS] = trainer.state_shardings.router_bias_LE
-        arrays = {key: _leaf_array(key, abstract[key], shardings[key], by_key[key], weights)
-                  for key in abstract}
-        treedef = jax.tree.structure({"params": trainer.abstract_params})
-        flat_keys = [checkpoint.leaf_key(p) for p, _ in
-                     jax.tree_util.tree_flatten_with_path({"params": trainer.abstract_params})[0]]
-        params = jax.tree.unflatten(treedef, [arrays[k] for k in flat_keys])["params"]
+        arrays = {key: _leaf_array(key, leaf, leaf.sharding, by_key[key], weights)
+                  for key, leaf in leaves.items()}
+        params = jax.tree.unflatten(jax.tree.structure(trainer.abstract_params),
+                                    [arrays[k] for k in leaves if k.startswith("params.")])
         with jax.set_mesh(trainer.mesh):
             opt_state = jax.jit(trainer.tx.init,
                                 out_shardings=trainer.state_shardings.opt_state)(params)
         state = train.TrainState(step=jax.device_put(jnp.int32(0), trainer.state_shardings.step),
                                  params=params, opt_state=opt_state,
-                                 router_bias_LE=arrays[hf_layout.ROUTER_BIAS])
+                                 router_bias_LE=arrays[param_table.ROUTER_BIAS.key])
         saver = checkpoint.Checkpointer(cfg, tmp, trainer)
         saver.save(0, state, None, reason="import", extra={"imported_from": str(hf_dir)})
         saver.close()
@@ -224,7 +219,7 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
         if jax.process_index() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    n_params = sum(math.prod(v.shape) for k, v in abstract.items() if k.startswith("params."))
+    n_params = sum(math.prod(v.shape) for k, v in leaves.items() if k.startswith("params."))
     return {"run_dir": str(run_dir), "tensors": len(plan), "params": n_params,
             "process": jax.process_index(), "processes": jax.process_count(),
             "hf_elements_read_by_this_process": weights.elements_read}

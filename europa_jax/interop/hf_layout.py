@@ -1,6 +1,7 @@
 """The Hugging Face `DeepseekV3ForCausalLM` layout: tensor names, transposes, config.json.
 
-Our weights are `x @ W` with logical dimensions kept apart (`w_q_b[Q, H, K]`); HF Linear
+Each parameter's HF name and `n_in` are in its row of the table (param_table.py). Our
+weights are `x @ W` with logical dimensions kept apart (`w_q_b[Q, H, K]`); HF Linear
 weights are `[out, in]` with heads flattened into `out`. Every conversion is therefore
 "flatten the first `n_in` dims as in, the rest as out, transpose" — exact, no arithmetic.
 Expert stacks `[E, ...]` are written per expert (`mlp.experts.<e>.*`), the aux-loss-free
@@ -17,44 +18,11 @@ import dataclasses
 import math
 from typing import Iterator
 
+import jax
 import numpy as np
 
+from europa_jax import param_table
 from europa_jax.config import ConfigError, ModelConfig
-
-# Our path inside a block → (HF name inside `model.layers.<i>.`, number of leading "in" dims;
-# None for vectors, copied as they are).
-ATTENTION = {
-    "attention.w_q_a": ("self_attn.q_a_proj.weight", 1),
-    "attention.q_a_norm.scale": ("self_attn.q_a_layernorm.weight", None),
-    "attention.w_q_b": ("self_attn.q_b_proj.weight", 1),
-    "attention.w_kv_a": ("self_attn.kv_a_proj_with_mqa.weight", 1),
-    "attention.kv_a_norm.scale": ("self_attn.kv_a_layernorm.weight", None),
-    "attention.w_kv_b": ("self_attn.kv_b_proj.weight", 1),
-    "attention.w_o": ("self_attn.o_proj.weight", 2),
-    "attention_norm.scale": ("input_layernorm.weight", None),
-    "mlp_norm.scale": ("post_attention_layernorm.weight", None),
-}
-DENSE_MLP = {
-    "mlp.w_gate": ("mlp.gate_proj.weight", 1),
-    "mlp.w_up": ("mlp.up_proj.weight", 1),
-    "mlp.w_down": ("mlp.down_proj.weight", 1),
-}
-MOE = {
-    "moe.w_router": ("mlp.gate.weight", 1),
-    "moe.shared.w_gate": ("mlp.shared_experts.gate_proj.weight", 1),
-    "moe.shared.w_up": ("mlp.shared_experts.up_proj.weight", 1),
-    "moe.shared.w_down": ("mlp.shared_experts.down_proj.weight", 1),
-}
-EXPERTS = {  # [E, in, out] stacks, one HF tensor per expert
-    "moe.w_gate": "gate_proj.weight",
-    "moe.w_up": "up_proj.weight",
-    "moe.w_down": "down_proj.weight",
-}
-ROUTER_BIAS = "router_bias_LE"
-ROUTER_BIAS_NAME = "mlp.gate.e_score_correction_bias"
-# Routing decides discrete choices: transformers keeps these two in float32 whatever the
-# model dtype, and so do we on export.
-FLOAT32_ALWAYS = ("mlp.gate.weight", ROUTER_BIAS_NAME)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +43,7 @@ class HFTensor:
     name: str
     shape: tuple[int, ...]
     source: Source
+    float32: bool = False  # written as float32 whatever the export dtype (the router)
 
 
 def to_hf(x: np.ndarray, source: Source, vocab_size: int) -> np.ndarray:
@@ -109,52 +78,67 @@ def hf_shape(our_shape: tuple[int, ...], source: Source, vocab_size: int) -> tup
     return to_hf(np.empty(our_shape, np.uint8), source, vocab_size).shape
 
 
-def block_key(cfg: ModelConfig, layer: int, path: str) -> tuple[str, tuple[int, ...]]:
-    """Leaf key and leading index of HF layer `layer`'s `path` (scanned or unrolled stacks)."""
+def block_key(cfg: ModelConfig, layer: int, role: str) -> tuple[str, tuple[int, ...]]:
+    """Leaf key and leading index of HF layer `layer`'s `role` (scanned or unrolled stacks)."""
+    dense_stack, moe_stack = param_table.STACKS
     moe = layer >= cfg.n_dense_layers
-    stack, i = ("moe_layers", layer - cfg.n_dense_layers) if moe else ("dense_layers", layer)
-    if cfg.scan_layers:
-        return f"params.{stack}.{path}", (i,)
-    return f"params.{stack}_{i}.{path}", ()
+    stack, i = (moe_stack, layer - cfg.n_dense_layers) if moe else (dense_stack, layer)
+    key, index = param_table.stack_key(stack, i, cfg.scan_layers)
+    return f"params.{key}.{role}", index
 
 
-def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]],
-            model_shapes: dict[str, tuple[int, ...]] | None = None) -> Iterator[HFTensor]:
+def state_shapes(abstract_params, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Leaf key (as the checkpoint names it) → stored shape, of the parameters and the
+    router bias: the part of the train state the Hugging Face layout maps."""
+    shapes = {"params." + ".".join(param_table.key_names(path)): tuple(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    shapes[param_table.ROUTER_BIAS.key] = param_table.ROUTER_BIAS.shape(cfg)
+    return shapes
+
+
+def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterator[HFTensor]:
     """Every HF tensor in file order: embedding, layer 0 … L-1, final norm, LM head.
 
-    `our_shapes` maps leaf keys to shapes (of our abstract state), so the plan (names,
-    shapes, bytes, files) is known before a single weight is read; `model_shapes` the same
-    keys to the shapes the model uses (checkpoint.model_param_shapes), where storage pads.
+    `our_shapes` maps the leaf keys of our train state (its parameters and the router
+    bias) to their stored shapes, so the plan (names, shapes, bytes, files) is known
+    before a single weight is read. Which tensors a layer has is which of the table's
+    block roles its stack holds (dense MLP or MoE, shared experts or not).
     """
     v = cfg.vocab_size
-    model_shapes = model_shapes or {}
 
-    def make(name, key, index, n_in, kind="linear"):
+    def make(name, key, index, hf: param_table.HF, model_shape, precision):
         per_item = tuple(our_shapes[key][len(index):])
-        used = tuple(model_shapes.get(key, our_shapes[key])[len(index):])
-        source = Source(key, index, n_in, kind, used if used != per_item else None)
-        return HFTensor(name, hf_shape(used, dataclasses.replace(source, shape=None), v),
-                        source)
+        model_shape = tuple(model_shape)
+        source = Source(key, index, hf.n_in, hf.kind,
+                        model_shape if model_shape != per_item else None)
+        return HFTensor(name, hf_shape(model_shape, dataclasses.replace(source, shape=None), v),
+                        source, precision.float32_export)
 
-    yield make("model.embed_tokens.weight", "params.embedding", (), None, "embedding")
+    rows = list(param_table.ROWS.items())  # in file order
+    first_block = next(i for i, (_, p) in enumerate(rows) if p.where != "model")
+    head = rows[:first_block]
+    tail = [(role, p) for role, p in rows[first_block:] if p.where == "model"]
+    block = [(role, p) for role, p in rows if p.where != "model"]
+    for role, p in head:
+        yield make(p.hf.name, f"params.{role}", (), p.hf, p.shape(cfg), p.precision)
+    bias = param_table.ROUTER_BIAS
     for layer in range(cfg.n_layers):
         prefix = f"model.layers.{layer}."
-        moe = layer >= cfg.n_dense_layers
-        for path, (name, n_in) in {**ATTENTION, **(MOE if moe else DENSE_MLP)}.items():
-            if path.startswith("moe.shared.") and not cfg.n_shared_experts:
-                continue
-            key, index = block_key(cfg, layer, path)
-            yield make(prefix + name, key, index, n_in, "vector" if n_in is None else "linear")
-        if moe:
-            yield make(prefix + ROUTER_BIAS_NAME, ROUTER_BIAS, (layer - cfg.n_dense_layers,),
-                       None, "vector")
+        present = [(role, p) + block_key(cfg, layer, role) for role, p in block]
+        present = [(role, p, key, index) for role, p, key, index in present if key in our_shapes]
+        for role, p, key, index in present:
+            if p.hf.kind != "expert":
+                yield make(prefix + p.hf.name, key, index, p.hf, p.shape(cfg), p.precision)
+        if layer >= cfg.n_dense_layers:
+            yield make(prefix + bias.hf.name, bias.key, (layer - cfg.n_dense_layers,), bias.hf,
+                       bias.shape(cfg)[1:], bias.precision)
             for expert in range(cfg.n_routed_experts):
-                for path, name in EXPERTS.items():
-                    key, index = block_key(cfg, layer, path)
-                    yield make(f"{prefix}mlp.experts.{expert}.{name}", key, index + (expert,), 1,
-                               "expert")
-    yield make("model.norm.weight", "params.final_norm.scale", (), None, "vector")
-    yield make("lm_head.weight", "params.lm_head", (), None, "lm_head")
+                for role, p, key, index in present:
+                    if p.hf.kind == "expert":
+                        yield make(prefix + p.hf.name.format(expert=expert), key,
+                                   index + (expert,), p.hf, p.shape(cfg)[1:], p.precision)
+    for role, p in tail:
+        yield make(p.hf.name, f"params.{role}", (), p.hf, p.shape(cfg), p.precision)
 
 
 # ----------------------------------------------------------------------------- config.json

@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from europa_jax.run import checkpoint, exit_codes
-from europa_jax.interop import hf_tokenizer_files
+from europa_jax import param_table
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.data.corpus import DataError
+from europa_jax.interop import hf_tokenizer_files
+from europa_jax.run import checkpoint, exit_codes
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -76,14 +77,14 @@ def read_parameters(run_dir: str | Path, step: int | None = None
     params: dict = {}
     bias = None
     for key, expected in meta["fingerprint"].items():
-        if not (key.startswith("params.") or key == "router_bias_LE"):
+        if not (key.startswith("params.") or key == param_table.ROUTER_BIAS.key):
             continue
         value = checkpoint.open_saved_array(step_dir, key).read().result()
         if checkpoint.host_bit_sum(value) != expected:
             raise checkpoint.CheckpointError(
                 f"{step_dir}: {key} does not match its saved fingerprint (corrupted "
                 "checkpoint); sample another --step")
-        if key == "router_bias_LE":
+        if key == param_table.ROUTER_BIAS.key:
             bias = value
             continue
         *parents, leaf = key.split(".")[1:]
@@ -92,7 +93,8 @@ def read_parameters(run_dir: str | Path, step: int | None = None
             node = node.setdefault(p, {})
         node[leaf] = value
     if bias is None:
-        raise checkpoint.CheckpointError(f"{step_dir}: no router_bias_LE in the checkpoint")
+        raise checkpoint.CheckpointError(
+            f"{step_dir}: no {param_table.ROUTER_BIAS.key} in the checkpoint")
     return cfg, params, bias, int(meta["step"])
 
 

@@ -1,8 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434) and blockwise attention.
 
-Shape legend: B batch, S query sequence, T key sequence, D model width, H heads,
-Q q low-rank width, A kv low-rank (latent) width, N no-rope head dims, P rope head dims,
-K = N + P query/key head dims, O value head dims, X blocks, Y block length.
+Shape suffixes (the project's legend, europa_jax/__init__.py): S positions, queries and
+keys alike; Q q latent width, A kv latent width; N no-RoPE, P RoPE and K = N + P q/k head
+dims, O value head dims; X blocks of the sequence, Y positions in one.
 
 Every kernel can also report each head's largest pre-softmax logit (scale · q·k over the
 visible, non-padding pairs) for QK-clip (qk_clip.py): the blockwise kernel's running max,
@@ -18,13 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
-from europa_jax.model.layers import RMSNorm, apply_rope, weight, yarn_mscale
-
-
-# Logical axes of the head-specific up-projections: QK-clip (qk_clip.py) scales them along
-# their `heads` axis, found by these names whatever the storage padding.
-W_Q_B_AXES = ("q_lora", "heads", "head_dim")  # head_dim: N no-rope, then P rope dims
-W_KV_B_AXES = ("kv_lora", "heads", "head_dim")  # head_dim: N no-rope key, then O value dims
+from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
 
 
 class MLAttention(nn.Module):
@@ -34,26 +28,27 @@ class MLAttention(nn.Module):
     pre-softmax logit of this device's rows (stop_gradient'ed; -inf if all are padding).
     """
 
+    ROLE = "attention"  # used on its own (tests): its parameters' roles start here
     cfg: ModelConfig
     report_logit_max: bool = False
 
     @nn.compact
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2):
-        cfg, dt = self.cfg, x_BSD.dtype
-        d, h, q_rank, kv_rank = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-        n, p, o = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        w_q_a_DQ = weight(self, "w_q_a", (d, q_rank), ("embed", "q_lora"), cfg, dtype=dt)
-        w_q_b_QHK = weight(self, "w_q_b", (q_rank, h, n + p), W_Q_B_AXES, cfg, dtype=dt)
-        w_kv_a_DA = weight(self, "w_kv_a", (d, kv_rank + p), ("embed", "kv_lora"), cfg, dtype=dt)
-        w_kv_b_AHK = weight(self, "w_kv_b", (kv_rank, h, n + o), W_KV_B_AXES, cfg, dtype=dt)
-        w_o_HOD = weight(self, "w_o", (h, o, d), ("heads", "head_dim", "embed"), cfg, dtype=dt)
+        cfg = self.cfg
+        kv_rank = cfg.kv_lora_rank
+        n, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        w_q_a_DQ = weight(self, "w_q_a")
+        w_q_b_QHK = weight(self, "w_q_b")
+        w_kv_a_DA = weight(self, "w_kv_a")
+        w_kv_b_AHK = weight(self, "w_kv_b")
+        w_o_HOD = weight(self, "w_o")
 
-        q_latent_BSQ = RMSNorm(cfg, q_rank, name="q_a_norm")(x_BSD @ w_q_a_DQ)
+        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(x_BSD @ w_q_a_DQ)
         q_BSHK = jnp.einsum("bsq,qhk->bshk", q_latent_BSQ, w_q_b_QHK)
         q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
 
         kv_a_BSA = x_BSD @ w_kv_a_DA
-        kv_latent_BSA = RMSNorm(cfg, kv_rank, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
+        kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
         k_rope_BS1P = kv_a_BSA[..., None, kv_rank:]
         kv_BSHK = jnp.einsum("bsa,ahk->bshk", kv_latent_BSA, w_kv_b_AHK)
         k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
@@ -89,16 +84,16 @@ def logit_scale(cfg: ModelConfig) -> float:
 
 def row_max_per_head(m_BHS, segment_ids_BS):
     """Per head, the largest of the rows' logit maxima over non-padding query rows
-    (segment id 0 is padding, data.py): [H] float32, outside the gradient."""
+    (segment id 0 is padding, data/pipeline.py): [H] float32, outside the gradient."""
     real_B1S = (segment_ids_BS > 0)[:, None, :]
     return jax.lax.stop_gradient(jnp.where(real_B1S, m_BHS, -jnp.inf).max(axis=(0, 2)))
 
 
-def attention_mask(q_index_S, k_index_T, q_segment_BS, k_segment_BT):
-    """Causal by token index and isolated by document: [B, 1, S, T] booleans."""
-    causal_ST = q_index_S[:, None] >= k_index_T[None, :]
-    same_doc_BST = q_segment_BS[:, :, None] == k_segment_BT[:, None, :]
-    return (causal_ST[None] & same_doc_BST)[:, None]
+def attention_mask(q_index_S, k_index_S, q_segment_BS, k_segment_BS):
+    """Causal by token index and isolated by document: [B, 1, S_q, S_k] booleans."""
+    causal_SS = q_index_S[:, None] >= k_index_S[None, :]
+    same_doc_BSS = q_segment_BS[:, :, None] == k_segment_BS[:, None, :]
+    return (causal_SS[None] & same_doc_BSS)[:, None]
 
 
 def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, scale,
@@ -170,7 +165,7 @@ def document_starts(segment_ids_BS: jax.Array) -> jax.Array:
     """For each position, the index of the first token of its document [B, S] int32.
 
     Packed rows hold each document piece in one contiguous run of one segment id
-    (data.py), so "same document and causal" is exactly "key index in
+    (data/pipeline.py), so "same document and causal" is exactly "key index in
     [document start, query index]": a per-query lower bound instead of a [S, S] mask.
     """
     b, s = segment_ids_BS.shape

@@ -7,46 +7,39 @@ the routed experts it was not sent to. Both include the embedding and the LM hea
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
-import jax
 import numpy as np
 
+from europa_jax import param_table
 from europa_jax.config import ModelConfig
 
 
-def _path_names(path) -> list[str]:
-    return [str(getattr(p, "key", p)) for p in path]
-
-
-def parameter_counts(cfg: ModelConfig, abstract_params: Any) -> dict[str, int]:
-    """Total, active and routed-expert parameter counts of an abstract parameter tree."""
-    total = routed = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-        names = _path_names(path)
-        n = math.prod(leaf.shape)
-        if names[-1] in ("embedding", "lm_head"):  # padding rows only make the mesh divide
+def _counts(cfg: ModelConfig) -> dict[str, int]:
+    """Per kind, the model's parameters (no storage padding, no vocabulary padding rows)."""
+    counts = {"total": 0, "routed": 0, "embedding": 0, "vectors": 0}
+    for row in param_table.ROWS.values():
+        n = param_table.layer_count(row, cfg) * param_table.size(row, cfg)
+        if "vocab" in row.axes:  # padding rows only make the mesh divide
             n = n // cfg.padded_vocab_size * cfg.vocab_size
-        total += n
-        if "moe" in names and "shared" not in names and names[-1] in ("w_gate", "w_up", "w_down"):
-            routed += n
+        counts["total"] += n
+        counts["routed"] += n if "experts" in row.axes else 0
+        counts["embedding"] += n if row.hf.kind == "embedding" else 0
+        counts["vectors"] += n if row.hf.kind == "vector" else 0
+    return counts
+
+
+def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Total, active and routed-expert parameter counts, from the parameter table."""
+    counts = _counts(cfg)
+    total, routed = counts["total"], counts["routed"]
     active = total - routed + routed * cfg.top_k // cfg.n_routed_experts
     return {"total_params": total, "active_params": active, "routed_expert_params": routed}
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights each token multiplies by (forward): active params minus the embedding lookup."""
-    d, h = cfg.d_model, cfg.n_heads
-    attention = (d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
-                 + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                 + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-                 + h * cfg.v_head_dim * d)
-    dense_mlp = 3 * d * cfg.dense_ffn_dim
-    moe = (d * cfg.n_routed_experts
-           + 3 * d * cfg.expert_ffn_dim * (cfg.top_k + cfg.n_shared_experts))
-    return (cfg.n_layers * attention + cfg.n_dense_layers * dense_mlp
-            + cfg.n_moe_layers * moe + d * cfg.vocab_size)
+    """Weights each token multiplies by (forward): active params minus the embedding
+    lookup and the norm scales."""
+    counts = _counts(cfg)
+    return (parameter_counts(cfg)["active_params"] - counts["embedding"] - counts["vectors"])
 
 
 def causal_pairs(segment_ids_BS: np.ndarray) -> int:

@@ -17,8 +17,8 @@ import importlib.util
 
 import jax
 
-from europa_jax.parallel import comm
 from europa_jax.config import ConfigError, ModelConfig
+from europa_jax.parallel import comm
 
 INSTALL = "pip install -e '.[gpu]'"
 

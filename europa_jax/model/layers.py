@@ -1,7 +1,6 @@
 """Building blocks shared by attention and MLPs: parameters, RMSNorm, RoPE/YaRN, SwiGLU.
 
-Shape legend: B batch, S sequence, D model width, F feed-forward width, H heads,
-P rotary dims (P2 = P/2 frequency pairs).
+Shape suffixes: the project's legend (europa_jax/__init__.py).
 """
 
 from __future__ import annotations
@@ -12,36 +11,56 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from europa_jax.parallel import comm, sharding
+from europa_jax import param_table
 from europa_jax.config import ModelConfig, RopeScalingConfig
+from europa_jax.parallel import comm, layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           cfg: ModelConfig, *, init: str = "normal", dtype=None,
-           min_wire: str = "fp8") -> jax.Array:
-    """A parameter with logical axis names, returned ready to compute with.
+def weight(module: nn.Module, name: str) -> jax.Array:
+    """The parameter `name` of `module`, returned ready to compute with.
 
-    The stored parameter (fp32 master, sharded by sharding.py's rules) is gathered to
-    its full shape for this layer by `comm.gather_weight` — FSDP, in fp8/bf16/fp32 as
-    configured — and cast to `dtype` (default: the compute dtype). Outside the SPMD step
-    it is only cast.
+    Everything about it but its use comes from its row in the parameter table (param_table.py),
+    found by its role (`role_of`): shape, logical axes, init, precision. The stored
+    parameter (float32 master, in the layout of the SPMD context's mesh, layout.py) is
+    gathered to its full shape for this layer by `comm.gather_weight` — FSDP, in
+    fp8/bf16/fp32 as configured — and cast to the compute dtype (float32 where the table
+    says so). Outside the SPMD step it is only cast.
     """
-    assert len(shape) == len(axes), (name, shape, axes)
+    cfg: ModelConfig = module.cfg
+    role = role_of(module, name)
+    row = param_table.row(role)
+    ctx = comm.current()
+    on_mesh = (ctx.layout if ctx else layout.for_mesh(cfg))[role]
     initializer = {"normal": nn.initializers.normal(cfg.init_std),
-                   "ones": nn.initializers.ones, "zeros": nn.initializers.zeros}[init]
-    stored = sharding.storage_shape(axes, shape, cfg.param_pad_multiple)
-    if stored != tuple(shape):  # the padding is zeros; the rest as if unpadded
-        initializer = _zero_padded(initializer, shape, stored)
-    boxed_init = nn.with_logical_partitioning(initializer, axes)
+                   "ones": nn.initializers.ones}[row.init]
+    if on_mesh.stored_shape != on_mesh.model_shape:  # the padding is zeros; the rest as if unpadded
+        initializer = _zero_padded(initializer, on_mesh.model_shape, on_mesh.stored_shape)
     # Under SPMD the module sees its shard; Flax checks the stored shape against this.
-    w = module.param(name, boxed_init, comm.local_shape(axes, stored), DTYPES[cfg.param_dtype])
-    w = comm.gather_weight(w, axes, stored, dtype or DTYPES[cfg.compute_dtype],
-                           min_wire=min_wire)
-    if stored != tuple(shape):  # the padded dimension is gathered whole: drop the padding
-        w = w[tuple(slice(0, n) if n != m else slice(None) for n, m in zip(shape, stored))]
+    w = module.param(name, initializer, on_mesh.local_shape, DTYPES[cfg.param_dtype])
+    compute = jnp.float32 if row.precision.float32_compute else DTYPES[cfg.compute_dtype]
+    w = comm.gather_weight(w, on_mesh.gather, compute, min_wire=row.precision.wire)
+    if on_mesh.stored_shape != on_mesh.model_shape:  # padded dims are gathered whole: drop it
+        w = w[tuple(slice(0, n) for n in on_mesh.model_shape)]
     return w
+
+
+def role_of(module: nn.Module, name: str) -> str:
+    """A parameter's role in the table (param_table.py): its path inside a decoder block
+    (`attention.w_q_b`) or, for the model's own parameters, inside the model.
+
+    The path is read up to the nearest block or model (classes marked `ROLE_ROOT`); a
+    block component used on its own (tests) starts the path with its `ROLE` instead.
+    """
+    names = [name]
+    while not getattr(module, "ROLE_ROOT", False):
+        if not isinstance(module.parent, nn.Module):  # a component used on its own
+            names.append(type(module).ROLE)
+            break
+        names.append(module.name)
+        module = module.parent
+    return ".".join(reversed(names))
 
 
 def _zero_padded(initializer, shape, stored):
@@ -58,12 +77,10 @@ class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like DeepSeek-V3's reference."""
 
     cfg: ModelConfig
-    dim: int
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        scale_D = weight(self, "scale", (self.dim,), ("norm",), self.cfg, init="ones",
-                         dtype=jnp.float32, min_wire="fp32")
+        scale_D = weight(self, "scale")
         x32_BSD = x_BSD.astype(jnp.float32)
         var_BS1 = jnp.mean(jnp.square(x32_BSD), axis=-1, keepdims=True)
         y_BSD = x32_BSD * jax.lax.rsqrt(var_BS1 + self.cfg.rms_norm_eps)
@@ -73,16 +90,14 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """Gated MLP (Shazeer 2020): down(silu(x·gate) ⊙ x·up). Dense layers and the shared expert."""
 
+    ROLE = "mlp"  # used on its own: a dense layer's MLP
     cfg: ModelConfig
-    ffn_dim: int
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, x_BSD.dtype
-        d, f = cfg.d_model, self.ffn_dim
-        w_gate_DF = weight(self, "w_gate", (d, f), ("embed", "mlp"), cfg, dtype=dt)
-        w_up_DF = weight(self, "w_up", (d, f), ("embed", "mlp"), cfg, dtype=dt)
-        w_down_FD = weight(self, "w_down", (f, d), ("mlp", "embed"), cfg, dtype=dt)
+        w_gate_DF = weight(self, "w_gate")
+        w_up_DF = weight(self, "w_up")
+        w_down_FD = weight(self, "w_down")
         gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
         up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
         return jnp.einsum("bsf,fd->bsd", nn.silu(gate_BSF) * up_BSF, w_down_FD)

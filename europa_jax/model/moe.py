@@ -1,8 +1,9 @@
 """DeepSeek-V3 mixture of experts: sigmoid router, group-limited top-k, shared expert.
 
-Shape legend: B batch, S sequence, T tokens (B·S), D model width, E routed experts,
-G expert groups, F expert ffn width, K experts chosen per token (top-k), M = R·K copies,
-J peers on the expert axis, C rows per peer (capacity), R = J·C rows received.
+Shape suffixes: the project's one legend (europa_jax/__init__.py); here T tokens (B·S),
+U experts chosen per token (top-k), M rows sorted by expert (one per row and choice),
+J peers on the expert axis, C slots per peer (capacity), R = J·C rows received,
+X and Y blocks (chunks) and the rows in one.
 
 Routing (DeepSeek-V3 §2.1.2, arXiv:2412.19437): scores = sigmoid(x·W_router). A per-expert
 bias, updated outside the gradient (aux-loss-free balancing), is added to the scores only
@@ -20,28 +21,28 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax.parallel import comm
 from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.layers import SwiGLU, weight
+from europa_jax.parallel import comm
 
 
 def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
-    """Return (gate weights [T, K] float32, chosen experts [T, K] int32)."""
+    """Return (gate weights [T, U] float32, chosen experts [T, U] int32)."""
     scores_TE = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
     choice_TE = scores_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
     t, e = choice_TE.shape
     if cfg.n_group > 1:
         choice_TGE = choice_TE.reshape(t, cfg.n_group, e // cfg.n_group)
         group_score_TG = jax.lax.top_k(choice_TGE, 2)[0].sum(axis=-1)
-        _, groups_TK = jax.lax.top_k(group_score_TG, cfg.topk_group)
-        keep_TG = jax.nn.one_hot(groups_TK, cfg.n_group, dtype=jnp.bool_).any(axis=1)
+        _, kept_groups = jax.lax.top_k(group_score_TG, cfg.topk_group)  # [T, topk_group]
+        keep_TG = jax.nn.one_hot(kept_groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)
         choice_TE = jnp.where(keep_TG[:, :, None], choice_TGE, -jnp.inf).reshape(t, e)
-    _, experts_TK = jax.lax.top_k(choice_TE, cfg.top_k)
-    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    _, experts_TU = jax.lax.top_k(choice_TE, cfg.top_k)
+    weights_TU = jnp.take_along_axis(scores_TE, experts_TU, axis=-1)
     if cfg.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + 1e-20)
-    return weights_TK * cfg.routed_scaling_factor, experts_TK.astype(jnp.int32)
+        weights_TU = weights_TU / (weights_TU.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights_TU * cfg.routed_scaling_factor, experts_TU.astype(jnp.int32)
 
 
 def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, impl: str,
@@ -79,23 +80,23 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
     valid_M = jnp.arange(m) < group_sizes_E.sum()
     row_M = padded_end_E[expert_M] - padded_sizes_E[expert_M] + jnp.arange(m) - start_E[expert_M]
     row_M = jnp.where(valid_M, row_M, n_blocks * y)  # out of range: dropped / filled with 0
-    block_expert_N = jnp.minimum(
+    block_expert_X = jnp.minimum(
         jnp.searchsorted(padded_end_E, jnp.arange(n_blocks) * y, side="right"), e - 1)
 
     used_blocks = padded_end_E[-1] // y  # blocks past this hold no row: skipped
 
-    def blocked(rows_MI, w_EIO):
-        rows_NYI = jnp.zeros((n_blocks * y, rows_MI.shape[1]), rows_MI.dtype).at[row_M].set(
-            rows_MI, mode="drop").reshape(n_blocks, y, -1)
+    def blocked(rows, w):  # rows [M, in] @ each row's expert's w [E, in, out] → [M, out]
+        blocks = jnp.zeros((n_blocks * y, rows.shape[1]), rows.dtype).at[row_M].set(
+            rows, mode="drop").reshape(n_blocks, y, -1)
 
         def block(args):  # a real branch: the static bound is worst-case, the work is not
-            n, rows_YI = args
-            return jax.lax.cond(n < used_blocks, lambda: rows_YI @ w_EIO[block_expert_N[n]],
-                                lambda: jnp.zeros((y, w_EIO.shape[-1]), rows_YI.dtype))
+            n, block_rows = args
+            return jax.lax.cond(n < used_blocks, lambda: block_rows @ w[block_expert_X[n]],
+                                lambda: jnp.zeros((y, w.shape[-1]), block_rows.dtype))
 
-        # checkpoint: backward re-indexes w_EIO instead of saving each block's [I, O] slice
-        out_NYO = jax.lax.map(jax.checkpoint(block), (jnp.arange(n_blocks), rows_NYI))
-        return out_NYO.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
+        # checkpoint: backward re-indexes w instead of saving each block's [in, out] slice
+        out_blocks = jax.lax.map(jax.checkpoint(block), (jnp.arange(n_blocks), blocks))
+        return out_blocks.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
 
     hidden_MF = nn.silu(blocked(x_MD, w_gate_EDF)) * blocked(x_MD, w_up_EDF)
     return blocked(hidden_MF, w_down_EFD)
@@ -103,92 +104,92 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
 
 def _ragged_matmul(impl: str, group_sizes_E):
     if impl == "ragged_dot":
-        return lambda rows_MI, w_EIO: jax.lax.ragged_dot(rows_MI, w_EIO, group_sizes_E)
+        return lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes_E)
     tokamax = kernels.import_tokamax()
     # None: tokamax's own order (Mosaic GPU on Hopper, then Triton, then XLA)
     implementation = ("triton", "xla") if impl == "tokamax_triton" else None
-    return lambda rows_MI, w_EIO: tokamax.ragged_dot(rows_MI, w_EIO, group_sizes_E,
-                                                     implementation=implementation)
+    return lambda rows, w: tokamax.ragged_dot(rows, w, group_sizes_E,
+                                              implementation=implementation)
 
 
-def compute_local_experts(x_RD, experts_RK, weights_RK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                           impl: str):
     """Σ_k weight·expert_k(row) for rows whose choices index *these* experts (−1 = none).
 
     Shared by the single-device path (rows = tokens) and the expert-parallel path (rows =
     what peers sent). Returns the combined rows [R, D] float32 and copies per expert [E].
     """
-    r, k = experts_RK.shape
+    r, k = experts_RU.shape
     e = w_gate_EDF.shape[0]
-    ids_M = jnp.where(experts_RK >= 0, experts_RK, e).reshape(-1)  # "none" sorts last
+    ids_M = jnp.where(experts_RU >= 0, experts_RU, e).reshape(-1)  # "none" sorts last
     order_M = jnp.argsort(ids_M, stable=True)
     sizes_E = jnp.bincount(ids_M, length=e + 1)[:e].astype(jnp.int32)
     y_sorted_MD = grouped_swiglu(x_RD[order_M // k], w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E,
                                  impl=impl)
     y_sorted_MD = jnp.where((ids_M[order_M] < e)[:, None], y_sorted_MD, 0)
-    y_RKD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD).reshape(r, k, -1)
-    return jnp.einsum("rkd,rk->rd", y_RKD.astype(jnp.float32), weights_RK), sizes_E
+    y_RUD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD).reshape(r, k, -1)
+    return jnp.einsum("rud,ru->rd", y_RUD.astype(jnp.float32), weights_RU), sizes_E
 
 
-def dispatch_layout(experts_TK: jax.Array, ep: int, experts_per_device: int, capacity: int):
+def dispatch_layout(experts_TU: jax.Array, ep: int, experts_per_device: int, capacity: int):
     """Where each token goes: one row per (token, destination device), not per expert.
 
     A token routed to several experts on one device is sent there once (group-limited
     routing with one group per device bounds destinations by `topk_group`). Rows land in
     per-destination regions of `capacity` slots in token order; a row whose slot is past
     capacity is dropped (only possible with a capacity factor).
-    Returns (dest [T, K], kept [T, J] bool, flat buffer index [T, J]).
+    Returns (dest [T, U], kept [T, J] bool, flat buffer index [T, J]).
     """
-    dest_TK = experts_TK // experts_per_device
-    sent_TJ = jnp.any(dest_TK[:, :, None] == jnp.arange(ep), axis=1)
+    dest_TU = experts_TU // experts_per_device
+    sent_TJ = jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1)
     slot_TJ = jnp.cumsum(sent_TJ, axis=0) - 1
     kept_TJ = sent_TJ & (slot_TJ < capacity)
     index_TJ = jnp.where(kept_TJ, jnp.arange(ep) * capacity + slot_TJ, ep * capacity)
-    return dest_TK, kept_TJ, index_TJ
+    return dest_TU, kept_TJ, index_TJ
 
 
-def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
                  cfg: ModelConfig):
     """Routed experts with expert parallelism over the mesh's `expert` axis.
 
     Communication (per MoE layer, J = ep peers on the `expert` axis, C = capacity rows):
       1. all_to_all int32[J]        rows per peer (so receivers know what is valid)
       2. all_to_all x[J, C, D]      token rows, bf16/compute dtype (ragged: filled rows only)
-         all_to_all int32[J, C, K]  their local expert ids, float32[J, C, K] gate weights
+         all_to_all int32[J, C, U]  their local expert ids, float32[J, C, U] gate weights
       3. grouped matmul over this device's E/J experts
       4. all_to_all y[J, C, D]      combined outputs back to the token's device
     With ep = 1 (one device, or no SPMD context) the exchanges are the identity.
     """
     ep = comm.expert_parallelism()
-    t, k = experts_TK.shape
+    t, k = experts_TU.shape
     d, e_local = x_TD.shape[1], w_gate_EDF.shape[0]
     capacity = t
     if cfg.moe_capacity_factor is not None:
         capacity = min(t, max(1, math.ceil(cfg.moe_capacity_factor * t * k / ep)))
-    dest_TK, kept_TJ, index_TJ = dispatch_layout(experts_TK, ep, e_local, capacity)
+    dest_TU, kept_TJ, index_TJ = dispatch_layout(experts_TU, ep, e_local, capacity)
     rows = ep * capacity
 
-    def scatter(values_TJX, fill):  # [T, J, ...] → [J, C, ...] send buffer
-        flat = values_TJX.reshape(t * ep, *values_TJX.shape[2:])
+    def scatter(values, fill):  # [T, J, ...] → [J, C, ...] send buffer
+        flat = values.reshape(t * ep, *values.shape[2:])
         buf = jnp.full((rows, *flat.shape[1:]), fill, flat.dtype)
         return buf.at[index_TJ.reshape(-1)].set(flat, mode="drop").reshape(
             ep, capacity, *flat.shape[1:])
 
-    peer_TKJ = dest_TK[:, :, None] == jnp.arange(ep)
-    local_TJK = jnp.where(peer_TKJ, experts_TK[:, :, None] % e_local, -1).transpose(0, 2, 1)
-    gate_TJK = jnp.where(peer_TKJ, weights_TK[:, :, None], 0.0).transpose(0, 2, 1)
+    peer_TUJ = dest_TU[:, :, None] == jnp.arange(ep)
+    local_TJU = jnp.where(peer_TUJ, experts_TU[:, :, None] % e_local, -1).transpose(0, 2, 1)
+    gate_TJU = jnp.where(peer_TUJ, weights_TU[:, :, None], 0.0).transpose(0, 2, 1)
     send_counts_J = kept_TJ.sum(axis=0).astype(jnp.int32)
     recv_counts_J = comm.exchange_counts(send_counts_J)
     wire = comm.exchange_dtype(x_TD.dtype)
     recv_x_JCD = comm.exchange(scatter(jnp.broadcast_to(x_TD.astype(wire)[:, None], (t, ep, d)), 0),
                                send_counts_J, recv_counts_J).astype(x_TD.dtype)
-    recv_e_JCK = comm.exchange(scatter(local_TJK, -1), send_counts_J, recv_counts_J)
-    recv_w_JCK = comm.exchange(scatter(gate_TJK, 0.0), send_counts_J, recv_counts_J)
+    recv_e_JCU = comm.exchange(scatter(local_TJU, -1), send_counts_J, recv_counts_J)
+    recv_w_JCU = comm.exchange(scatter(gate_TJU, 0.0), send_counts_J, recv_counts_J)
     valid_JC = jnp.arange(capacity) < recv_counts_J[:, None]  # ragged leaves the rest stale
-    recv_e_JCK = jnp.where(valid_JC[..., None], recv_e_JCK, -1)
+    recv_e_JCU = jnp.where(valid_JC[..., None], recv_e_JCU, -1)
 
     y_RD, sizes_E = compute_local_experts(
-        recv_x_JCD.reshape(rows, d), recv_e_JCK.reshape(rows, k), recv_w_JCK.reshape(rows, k),
+        recv_x_JCD.reshape(rows, d), recv_e_JCU.reshape(rows, k), recv_w_JCU.reshape(rows, k),
         w_gate_EDF, w_up_EDF, w_down_EFD, impl=kernels.grouped_matmul_impl(cfg))
     back_JCD = comm.exchange(y_RD.astype(wire).reshape(ep, capacity, d), recv_counts_J,
                              send_counts_J)
@@ -201,11 +202,11 @@ def moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
              # one row per remote expert copy (no per-device deduplication)
              "exchanged_rows": comm.psum_all(jnp.where(
                  jnp.arange(ep) == comm.expert_index(), 0, send_counts_J).sum()),
-             "remote_copies": comm.psum_all((dest_TK != comm.expert_index()).sum())}
+             "remote_copies": comm.psum_all((dest_TU != comm.expert_index()).sum())}
     return y_TD, stats
 
 
-def chunked_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+def chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
                      cfg: ModelConfig):
     """`moe_dispatch` over `cfg.moe_chunk_tokens` tokens at a time (all at once for 0).
 
@@ -217,55 +218,52 @@ def chunked_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_
     Tokens never interact across chunks in a MoE layer, so outputs and gradients are
     those of one dispatch (up to summation order).
     """
-    t, k = experts_TK.shape
+    t, k = experts_TU.shape
     chunk = cfg.moe_chunk_tokens
     if not chunk or chunk >= t:
-        return moe_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
+        return moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
                             cfg)
     n = t // chunk  # the config checks that the chunk divides the sequence
 
     @jax.checkpoint
-    def one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, x_CD, weights_CK, experts_CK):
-        return moe_dispatch(x_CD, weights_CK, experts_CK, w_gate_EDF, w_up_EDF, w_down_EFD,
+    def one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, x_YD, weights_YU, experts_YU):
+        return moe_dispatch(x_YD, weights_YU, experts_YU, w_gate_EDF, w_up_EDF, w_down_EFD,
                             cfg)
 
-    y_NCD, stats_N = jax.lax.map(
+    y_XYD, stats_X = jax.lax.map(
         lambda args: one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, *args),
-        (x_TD.reshape(n, chunk, -1), weights_TK.reshape(n, chunk, k),
-         experts_TK.reshape(n, chunk, k)))
-    return y_NCD.reshape(t, -1), jax.tree.map(lambda v: v.sum(axis=0), stats_N)
+        (x_TD.reshape(n, chunk, -1), weights_TU.reshape(n, chunk, k),
+         experts_TU.reshape(n, chunk, k)))
+    return y_XYD.reshape(t, -1), jax.tree.map(lambda v: v.sum(axis=0), stats_X)
 
 
 class MoE(nn.Module):
     """Routed experts (dropless by default, expert-parallel under SPMD) plus shared experts."""
 
+    ROLE = "moe"  # used on its own (tests): its parameters' roles start here
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, router_bias_E: jax.Array):
         cfg, dt = self.cfg, x_BSD.dtype
-        d, e, f = cfg.d_model, cfg.n_routed_experts, cfg.expert_ffn_dim
-        expert_axes = ("experts", "expert_embed", "expert_mlp")
-        # Router in float32: near-tied sigmoid scores decide discrete choices.
-        w_router_DE = weight(self, "w_router", (d, e), ("embed", "router"), cfg,
-                             dtype=jnp.float32, min_wire="fp32")
-        w_gate_EDF = weight(self, "w_gate", (e, d, f), expert_axes, cfg, dtype=dt)
-        w_up_EDF = weight(self, "w_up", (e, d, f), expert_axes, cfg, dtype=dt)
-        w_down_EFD = weight(self, "w_down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),
-                            cfg, dtype=dt)
+        d, e = cfg.d_model, cfg.n_routed_experts
+        w_router_DE = weight(self, "w_router")  # float32 (param_table.ROUTING)
+        w_gate_EDF = weight(self, "w_gate")
+        w_up_EDF = weight(self, "w_up")
+        w_down_EFD = weight(self, "w_down")
 
         b, s, _ = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        weights_TK, experts_TK = route(x_TD.astype(jnp.float32) @ w_router_DE, router_bias_E, cfg)
-        y_TD, stats = chunked_dispatch(x_TD, weights_TK, experts_TK, w_gate_EDF, w_up_EDF,
+        weights_TU, experts_TU = route(x_TD.astype(jnp.float32) @ w_router_DE, router_bias_E, cfg)
+        y_TD, stats = chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
                                        w_down_EFD, cfg)
         routed_BSD = checkpoint_name(y_TD.astype(dt).reshape(b, s, d), "moe_out")
         if cfg.n_shared_experts:
-            shared_BSD = SwiGLU(cfg, cfg.n_shared_experts * f, name="shared")(x_BSD)
+            shared_BSD = SwiGLU(cfg, name="shared")(x_BSD)
             routed_BSD = routed_BSD + shared_BSD
         # Loads over the whole global batch: the balancing bias must agree on every device.
         stats["expert_counts_E"] = comm.psum_all(
-            jnp.bincount(experts_TK.reshape(-1), length=e).astype(jnp.int32))
+            jnp.bincount(experts_TU.reshape(-1), length=e).astype(jnp.int32))
         return routed_BSD, stats
 
 

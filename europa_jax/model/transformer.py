@@ -1,7 +1,6 @@
 """Decoder blocks, the scan over layers, embedding and LM head.
 
-Shape legend: B batch, S sequence, D model width, V (padded) vocabulary, L layers,
-E routed experts, H heads, P2 rotary frequency pairs.
+Shape suffixes: the project's legend (europa_jax/__init__.py).
 """
 
 from __future__ import annotations
@@ -13,10 +12,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model.attention import MLAttention
 from europa_jax.model import lm_head
-from europa_jax.model.layers import RMSNorm, SwiGLU, rope_tables, weight
+from europa_jax.model.attention import MLAttention
+from europa_jax.model.layers import RMSNorm, rope_tables, SwiGLU, weight
 from europa_jax.model.moe import MoE
 
 
@@ -28,6 +28,7 @@ class DecoderBlock(nn.Module):
     MoE's counts (moe.py).
     """
 
+    ROLE_ROOT = True  # parameter roles are paths inside a block (param_table.py)
     cfg: ModelConfig
     is_moe: bool
 
@@ -36,14 +37,14 @@ class DecoderBlock(nn.Module):
         cfg = self.cfg
         x_BSD = checkpoint_name(x_BSD, "layer_input")
         attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
-            RMSNorm(cfg, cfg.d_model, name="attention_norm")(x_BSD), segment_ids_BS,
+            RMSNorm(cfg, name="attention_norm")(x_BSD), segment_ids_BS,
             cos_BSP2, sin_BSP2)
         h_BSD = x_BSD + attn_BSD
-        mlp_in_BSD = RMSNorm(cfg, cfg.d_model, name="mlp_norm")(h_BSD)
+        mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_BSD)
         if self.is_moe:
             mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E)
         else:
-            mlp_out_BSD, stats = SwiGLU(cfg, cfg.dense_ffn_dim, name="mlp")(mlp_in_BSD), {}
+            mlp_out_BSD, stats = SwiGLU(cfg, name="mlp")(mlp_in_BSD), {}
         return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
 
 
@@ -59,6 +60,7 @@ def _block_class(cfg: ModelConfig, policy: Callable | None):
 class Transformer(nn.Module):
     """Embedding → first `n_dense_layers` dense blocks → MoE blocks → norm → LM head."""
 
+    ROLE_ROOT = True  # its own parameters' roles are their paths in the model
     cfg: ModelConfig
     # jax.checkpoint policy naming what backward keeps, offloads or recomputes (offload.py)
     remat_policy: Callable | None = None
@@ -72,28 +74,28 @@ class Transformer(nn.Module):
         `attention_logit_max_LH`: every layer's (dense first, then MoE) per-head largest
         attention logit on this device's rows."""
         cfg = self.cfg
-        v, d = cfg.padded_vocab_size, cfg.d_model
-        embedding_VD = weight(self, "embedding", (v, d), ("vocab", "embed"), cfg, min_wire="bf16")
+        embedding_VD = weight(self, "embedding")
         x_BSD = embedding_VD[tokens_BS]
         cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
 
+        dense_stack, moe_stack = param_table.STACKS
         x_BSD, dense = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
-                                   is_moe=False, n=cfg.n_dense_layers, name="dense_layers")
+                                   is_moe=False, n=cfg.n_dense_layers, stack=dense_stack)
         x_BSD, moe = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE,
-                                 is_moe=True, n=cfg.n_moe_layers, name="moe_layers")
+                                 is_moe=True, n=cfg.n_moe_layers, stack=moe_stack)
         stats = {key: value for key, value in moe.items() if key != "attention_logit_max_H"}
         stats["attention_logit_max_LH"] = jnp.concatenate(
             [part["attention_logit_max_H"] for part in (dense, moe) if part])
 
-        x_BSD = RMSNorm(cfg, d, name="final_norm")(x_BSD)
-        head_DV = weight(self, "lm_head", (d, v), ("embed", "vocab"), cfg, min_wire="bf16")
+        x_BSD = RMSNorm(cfg, name="final_norm")(x_BSD)
+        head_DV = weight(self, "lm_head")
         if targets_BS is None:
             return lm_head.logits(x_BSD, head_DV, cfg.vocab_size), stats
         return lm_head.token_nll(x_BSD, head_DV, targets_BS, cfg.vocab_size,
                                  cfg.loss_chunk_tokens), stats
 
     def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, *, is_moe, n,
-               name):
+               stack):
         """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
         if n == 0:
             return x_BSD, {}
@@ -102,13 +104,14 @@ class Transformer(nn.Module):
         if self.cfg.scan_layers:
             scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                               in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, bias_axis),
-                              length=n, metadata_params={nn.PARTITION_NAME: "layers"})
-            return scanned(self.cfg, is_moe, name=name)(x_BSD, segment_ids_BS, cos_BSP2,
-                                                        sin_BSP2, router_bias_LE)
+                              length=n)
+            return scanned(self.cfg, is_moe, name=stack)(x_BSD, segment_ids_BS, cos_BSP2,
+                                                         sin_BSP2, router_bias_LE)
         per_layer = []
         for i in range(n):
             bias_E = router_bias_LE[i] if is_moe else None
-            x_BSD, stats = block_cls(self.cfg, is_moe, name=f"{name}_{i}")(
+            name, _ = param_table.stack_key(stack, i, scanned=False)
+            x_BSD, stats = block_cls(self.cfg, is_moe, name=name)(
                 x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E)
             per_layer.append(stats)
         return x_BSD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
@@ -116,4 +119,4 @@ class Transformer(nn.Module):
 
 def init_router_bias(cfg: ModelConfig) -> jax.Array:
     """Aux-loss-free balancing bias [L_moe, E]; state, not a parameter (no gradient)."""
-    return jnp.zeros((cfg.n_moe_layers, cfg.n_routed_experts), jnp.float32)
+    return jnp.zeros(param_table.ROUTER_BIAS.shape(cfg), jnp.float32)

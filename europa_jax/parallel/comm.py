@@ -24,37 +24,32 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from europa_jax.parallel import sharding
+from europa_jax import param_table
+from europa_jax.config import CommConfig
+from europa_jax.parallel.layout import Gather, Layout
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 WIRE_PRECISION = ("fp8", "bf16", "fp32")  # lowest first
 EXPERT_AXIS = "expert"
-# Logical axes whose sharding over a mesh axis is *kept* when a weight is gathered:
-# expert parallelism — each device computes only the experts it holds.
-KEPT_SHARDED = {"experts": EXPERT_AXIS}
 
 
 @dataclasses.dataclass(frozen=True)
 class SpmdContext:
-    """What the collectives need to know while the model is traced inside shard_map."""
+    """What the model's collectives and kernels need while it is traced inside shard_map:
+    the parameters' layout on the mesh (layout.py), the wire settings and the platform."""
 
-    mesh_shape: dict[str, int]
+    layout: Layout
+    comm: CommConfig  # expert_exchange resolved for the platform (never "auto")
     platform: str = "cpu"  # of the mesh's devices: picks backend-specific kernels
-    weight_gather_dtype: str = "fp32"  # fp8 | bf16 | fp32
-    grad_reduce_dtype: str = "fp32"  # bf16 | fp32
-    expert_exchange: str = "dense"  # dense | ragged
-    expert_exchange_dtype: str = "fp32"  # bf16 | fp32: token rows on the MoE all-to-all
 
-    def __hash__(self):  # usable as a jit static argument / cache key despite the dict
-        return hash((tuple(self.mesh_shape.items()), self.platform, self.weight_gather_dtype,
-                     self.grad_reduce_dtype, self.expert_exchange, self.expert_exchange_dtype))
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return self.layout.mesh_shape
 
 
 _CONTEXT: contextvars.ContextVar[SpmdContext | None] = contextvars.ContextVar(
@@ -74,73 +69,41 @@ def current() -> SpmdContext | None:
     return _CONTEXT.get()
 
 
-# Used in float32 whatever the wire: the router decides discrete choices, norm scales are
-# tiny and replicated.
-FULL_PRECISION_PARAMS = frozenset({"w_router", "scale"})
-
-
-def cast_for_entry(params, ctx: SpmdContext):
+def cast_for_entry(params_tree, ctx: SpmdContext):
     """Parameters in the dtype they enter the shard_map in.
 
     Axes a parameter is replicated over (norm scales; on 96 nodes the tensors without a
     factor 3) get their gradient summed by shard_map's transpose in *this* dtype, so it
-    is bf16 exactly when both the gather and the reduction are low precision.
+    is bf16 exactly when both the gather and the reduction are low precision — except for
+    the parameters the table keeps in float32 (param_table.Precision.float32_compute).
     """
-    low = ctx.weight_gather_dtype in ("fp8", "bf16") and ctx.grad_reduce_dtype == "bf16"
+    low = (ctx.comm.weight_gather_dtype in ("fp8", "bf16")
+           and ctx.comm.grad_reduce_dtype == "bf16")
 
     def cast(path, p):
-        name = sharding.param_name(path)
-        return p.astype(jnp.bfloat16 if low and name not in FULL_PRECISION_PARAMS else
-                        jnp.float32)
+        float32 = param_table.row_of_path(path).precision.float32_compute
+        return p.astype(jnp.bfloat16 if low and not float32 else jnp.float32)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params_tree)
 
 
 # ----------------------------------------------------------------------------- FSDP gather
 
 
-def gather_plan(logical_axes: Sequence[str], global_shape: Sequence[int],
-                mesh_shape: dict[str, int]) -> tuple[tuple[int, tuple[str, ...]], ...]:
-    """(dimension, mesh axes to all-gather it over) for each sharded dimension."""
-    spec = sharding.resolve_spec(logical_axes, global_shape, mesh_shape)
-    plan = []
-    for dim, (name, entry) in enumerate(zip(logical_axes, spec)):
-        axes = sharding.entry_axes(entry)
-        kept = KEPT_SHARDED.get(name)
-        if kept in axes:
-            if axes[0] != kept:  # the kept axis must be major for the gathered blocks to
-                raise ValueError(f"{name}: {axes} keeps {kept} but it is not the major axis")
-            axes = axes[1:]  # ... be contiguous (one node's experts)
-        if axes:
-            plan.append((dim, tuple(axes)))
-    return tuple(plan)
-
-
-def local_shape(logical_axes: Sequence[str], global_shape: Sequence[int]) -> tuple[int, ...]:
-    """Shape of this device's shard of a parameter (the global shape outside SPMD)."""
-    ctx = current()
-    if ctx is None:
-        return tuple(global_shape)
-    spec = sharding.resolve_spec(logical_axes, global_shape, ctx.mesh_shape)
-    return tuple(size // math.prod(ctx.mesh_shape[a] for a in sharding.entry_axes(entry))
-                 for size, entry in zip(global_shape, spec))
-
-
-def gather_weight(w_local: jax.Array, logical_axes: Sequence[str], global_shape: Sequence[int],
-                  compute_dtype, *, min_wire: str = "fp8") -> jax.Array:
+def gather_weight(w_local: jax.Array, gather: Gather, compute_dtype, *,
+                  min_wire: str = "fp8") -> jax.Array:
     """The full weight (minus kept expert sharding) in `compute_dtype`.
 
-    `min_wire` floors the configured wire dtype: "bf16" for the embedding table and LM
-    head (never fp8: logits are precision-sensitive), "fp32" for the router and norms.
+    `gather` is the weight's plan on this mesh (layout.ParamLayout.gather); `min_wire`
+    floors the configured wire dtype (param_table.Precision.wire: "bf16" for the embedding and
+    LM head, "fp32" for the router and norms).
     """
     ctx = current()
-    if ctx is None:
+    if ctx is None or not gather:
         return w_local.astype(compute_dtype)
-    plan = gather_plan(logical_axes, global_shape, ctx.mesh_shape)
-    if not plan:
-        return w_local.astype(compute_dtype)
-    wire = max(ctx.weight_gather_dtype, min_wire, key=WIRE_PRECISION.index)
-    return _gather(w_local, plan, wire, ctx.grad_reduce_dtype, jnp.dtype(compute_dtype).name)
+    wire = max(ctx.comm.weight_gather_dtype, min_wire, key=WIRE_PRECISION.index)
+    return _gather(w_local, gather, wire, ctx.comm.grad_reduce_dtype,
+                   jnp.dtype(compute_dtype).name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -189,7 +152,7 @@ def expert_index() -> jax.Array:
 def exchange_dtype(compute_dtype):
     """Dtype of token rows on the MoE all-to-all (the compute dtype outside SPMD)."""
     ctx = current()
-    return DTYPES[ctx.expert_exchange_dtype] if ctx else compute_dtype
+    return DTYPES[ctx.comm.expert_exchange_dtype] if ctx else compute_dtype
 
 
 def exchange_counts(send_counts_J: jax.Array) -> jax.Array:
@@ -209,7 +172,7 @@ def exchange(buf_JC: jax.Array, send_counts_J: jax.Array, recv_counts_J: jax.Arr
     ep = expert_parallelism()
     if ep == 1:
         return buf_JC
-    if current().expert_exchange == "dense":
+    if current().comm.expert_exchange == "dense":
         return jax.lax.all_to_all(buf_JC, EXPERT_AXIS, 0, 0, tiled=True)
     c = buf_JC.shape[1]
     flat = buf_JC.reshape(ep * c, *buf_JC.shape[2:])

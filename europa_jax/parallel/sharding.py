@@ -13,7 +13,8 @@ logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]
 `P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
 over it; `replicated_over` reports that so tests and planning can show the cost, and
 `storage_shape` (model.param_pad_multiple) avoids it by storing such a weight zero-padded
-(europa-952b's `w_o[64, 128, 7168]` as `[64, 128, 7200]`).
+(europa-952b's `w_o[64, 128, 7168]` as `[64, 128, 7200]`). layout.py applies these rules
+once per mesh to every parameter of the table (param_table.py).
 
 Axis type: `AxisType.Auto`. The forward/backward pass is one explicit `shard_map`
 (train.py, comm.py), where axis types play no role; what remains outside it — the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
@@ -64,6 +64,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 FALLBACK_RULES: dict[str, tuple[str, ...]] = {
     "experts": ("data",),
 }
+
+# Logical axes whose sharding over a mesh axis is *kept* when a weight is gathered for
+# use (layout.gather_plan): expert parallelism — each device computes only its experts.
+KEPT_SHARDED: dict[str, str] = {"experts": "expert"}
 
 
 def arrange_devices(devices: Sequence[Any], mesh_cfg: MeshConfig,
@@ -183,25 +187,6 @@ def replicated_over(spec: P, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in MESH_AXES if mesh_shape.get(a, 1) > 1 and a not in used)
 
 
-def logical_axes_tree(boxed_tree: Any) -> Any:
-    """Logical names of every leaf of a Flax variables tree; an unnamed leaf is an error."""
-    def names(path, leaf):
-        if isinstance(leaf, nn.Partitioned):
-            return tuple(leaf.names)
-        raise KeyError(f"parameter {jax.tree_util.keystr(path)} has no logical axis names")
-
-    return jax.tree_util.tree_map_with_path(
-        names, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-
-
-def specs_for(boxed_tree: Any, mesh_shape: dict[str, int]) -> Any:
-    """PartitionSpecs for a boxed abstract tree (from `jax.eval_shape` of a Flax init)."""
-    def spec(leaf):
-        return resolve_spec(tuple(leaf.names), leaf.value.shape, mesh_shape)
-
-    return jax.tree.map(spec, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-
-
 def mesh_platform(mesh: Mesh) -> str:
     """The platform the mesh's devices compute on: 'cpu', or 'gpu' (also for compile-only
     GPUs of a topology, gpu_target.py). Backend-specific code paths choose by this, not
@@ -222,9 +207,3 @@ def placement_mesh(mesh: Mesh) -> Mesh | jax.sharding.AbstractMesh:
 
 def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
-
-
-def param_name(path) -> str:
-    """A parameter's own name (the last key of its tree path), e.g. 'w_up' or 'scale':
-    what the optimizer, the entry casts and the plan key their rules on."""
-    return str(getattr(path[-1], "key", path[-1]))

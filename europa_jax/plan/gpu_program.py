@@ -1,6 +1,6 @@
 """The step compiled for a GPU target (gpu_target.py) and read: the program a GPU runs.
 
-Where the XLA:CPU plan (plan_compile.py) needs corrections — bf16 widened to f32, memory
+Where the XLA:CPU plan (step_compile.py) needs corrections — bf16 widened to f32, memory
 kinds ignored, the blocked expert matmul, dense exchange buffers — the GPU compiler's own
 answers are used as they are:
 - memory: `memory_analysis()` per device, HBM and host (pinned_host) columns apart;
@@ -19,14 +19,14 @@ import re
 
 import jax
 
-from europa_jax.plan import gpu_target, hlo_report
-from europa_jax.parallel import sharding
-from europa_jax.train import train
 from europa_jax.config import Config
 from europa_jax.model import kernels
+from europa_jax.parallel import sharding
+from europa_jax.plan import gpu_target, hlo_report
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
+from europa_jax.train import train
 
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
                  "host_output", "host_alias", "host_temp")
@@ -37,15 +37,15 @@ HOST_MEMORY_SPACE = ":S(5)}"  # GPU layouts mark pinned host buffers with memory
 
 
 def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]], dict]:
-    """Compile the step of `cfg` for the GPU mesh: numbers (flat, as plan_compile's),
+    """Compile the step of `cfg` for the GPU mesh: numbers (flat, as step_compile's),
     the largest buffers, and what the kernel checks read from the program."""
     trainer = train.build_trainer(cfg, mesh)
-    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     # FLOPs are the lowered matmuls; a library attention kernel is one custom call that
     # shows none, so the counts use the blockwise kernel (the same math, matmuls visible)
     counted = train.build_trainer(visible_attention(cfg), mesh)
     plain = train.build_trainer(visible_attention(without_remat(cfg)), mesh)
-    plain_state = train.abstract_state(plain)  # eager key: before a GPU is the default device
+    plain_state = plain.abstract_state  # eager key: before a GPU is the default device
     with gpu_target.lowering(mesh):
         traced = train.jit_train_step(trainer).trace(state, batch)
         lowered = traced.lower()

@@ -45,14 +45,15 @@ from typing import Any
 
 import jax
 
-from europa_jax.model import flops
-from europa_jax.plan import gpu_target, hardware, gpu_program
-from europa_jax.parallel import offload, sharding
-from europa_jax.train import qk_clip, train
-from europa_jax.parallel.offload import state_bytes
+from europa_jax import param_table
 from europa_jax.config import Config
+from europa_jax.model import flops
+from europa_jax.parallel import offload, sharding
+from europa_jax.parallel.offload import state_bytes
+from europa_jax.plan import gpu_program, gpu_target, hardware
 from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
+from europa_jax.train import qk_clip, train
 
 # Shallow stacks can sit off the line: on europa-952b forward+backward temporaries at 3
 # MoE layers were 6 % above the line through 2, 4, 6, 12 and 59; 4 and 6 predict 59 within
@@ -82,7 +83,7 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
         axes = sharding.replicated_over(leaf.sharding.spec, mesh_shape)
         if axes:
-            name = sharding.param_name(path)
+            name = param_table.key_names(path)[-1]  # e.g. every norm's `scale` together
             row = found.setdefault((name, axes), {"name": name, "over": "+".join(axes),
                                                   "bytes": 0})
             row["bytes"] += offload.per_device_bytes(leaf)
@@ -102,7 +103,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
         probe_moe_layers = PROBE_MOE_LAYERS  # unrolled: compile time grows with depth
     mesh = gpu_program.plan_mesh(cfg, target) if gpu else sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)  # shapes only: cheap at full depth
-    state = train.abstract_state(trainer)
+    state = trainer.abstract_state
     compiled = {"moe_layers": n_moe, "mode": "full depth", "error": None,
                 "program": f"XLA:GPU for {gpu_target.TARGETS[target].name}" if gpu
                 else "XLA:CPU"}

@@ -15,9 +15,9 @@ import math
 import jax
 import optax
 
+from europa_jax.config import Config
 from europa_jax.plan import hlo_report
 from europa_jax.train import train
-from europa_jax.config import Config
 
 TOP_BUFFERS = 8
 
@@ -107,14 +107,14 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
     Returns (numbers, the largest buffers of the compiled step and of forward+backward).
     """
     trainer = train.build_trainer(cfg, mesh)
-    state, batch = train.abstract_state(trainer), train.abstract_batch(trainer)
+    state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     plain = train.build_trainer(without_remat(cfg), mesh)
     with jax.set_mesh(mesh):
         traced = train.jit_train_step(trainer).trace(state, batch)
         lowered = traced.lower()
         loss_lowered = lower_loss(trainer, state, batch)
         plain_flops = hlo_report.dot_flops(lowered_hlo(lower_loss(
-            plain, train.abstract_state(plain), batch)))
+            plain, plain.abstract_state, batch)))
         compiled = lowered.compile()
         loss_compiled = loss_lowered.compile()
         update_compiled = lower_update(trainer, state).compile()
@@ -172,7 +172,7 @@ def measure_update(cfg: Config, mesh) -> dict[str, float]:
     function of depth that no line through two probes follows."""
     trainer = train.build_trainer(cfg, mesh)
     with jax.set_mesh(mesh):
-        compiled = lower_update(trainer, train.abstract_state(trainer)).compile()
+        compiled = lower_update(trainer, trainer.abstract_state).compile()
     return _update_numbers(compiled, mesh)
 
 

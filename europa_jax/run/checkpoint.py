@@ -36,20 +36,13 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
+from europa_jax import param_table
 from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
 from europa_jax.train.train import Trainer, TrainState
-from europa_jax.train.train import model_param_shapes as train_model_param_shapes
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"
-# Model fields that fix parameter shapes or the tree: a checkpoint made with other values
-# cannot be this model, which is a user error (not corruption to fall back from).
-SHAPE_FIELDS = ("vocab_size", "vocab_pad_multiple", "d_model", "n_layers", "n_dense_layers",
-                "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts",
-                "n_shared_experts", "expert_ffn_dim", "param_dtype", "scan_layers")
-SCANNED_STACKS = ("dense_layers", "moe_layers")
 
 Log = Callable[..., None]
 
@@ -67,23 +60,7 @@ class IncompatibleCheckpoint(CheckpointError):
 
 def leaf_key(path) -> str:
     """Orbax's name for a tree leaf ('params.moe_layers.moe.w_gate'): its storage key too."""
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
-        else:
-            parts.append(str(entry))
-    return ".".join(parts)
-
-
-def model_param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Leaf key → the shape the model uses, without storage padding (model.
-    param_pad_multiple, sharding.storage_shape): what an export writes and an import reads."""
-    shapes = train_model_param_shapes(cfg)
-    return {leaf_key(path): shape for path, shape in jax.tree_util.tree_flatten_with_path(
-        {"params": shapes}, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    return ".".join(param_table.key_names(path))
 
 
 def _bit_sum(x: jax.Array) -> jax.Array:
@@ -234,11 +211,9 @@ class Checkpointer:
     def _restore(self, step: int) -> Restored:
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]
-        check_compatible(meta["config"]["model"], self.cfg.model, self.directory / str(step))
-        abstract = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=sharding), self.abstract_state(),
-            self.trainer.state_shardings)
-        items = {"state": ocp.args.StandardRestore(abstract)}
+        check_compatible(self.directory / str(step), meta, self.cfg.model,
+                         self.trainer.abstract_state)
+        items = {"state": ocp.args.StandardRestore(self.trainer.abstract_state)}
         if (self.directory / str(step) / "data").exists():
             items["data"] = ProcessJsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -248,15 +223,6 @@ class Checkpointer:
         if bad:
             raise CheckpointError(f"fingerprint mismatch in {len(bad)} arrays, e.g. {bad[0]}")
         return Restored(step, state, restored.get("data"), meta)
-
-    def abstract_state(self) -> TrainState:
-        trainer = self.trainer
-        params = trainer.abstract_params
-        return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                          opt_state=jax.eval_shape(trainer.tx.init, params),
-                          router_bias_LE=jax.ShapeDtypeStruct(
-                              (trainer.cfg.model.n_moe_layers, trainer.cfg.model.n_routed_experts),
-                              jnp.float32))
 
     def _set_aside(self, step: int) -> None:
         """Keep an unusable checkpoint for inspection, out of the way of the step re-saved."""
@@ -276,8 +242,8 @@ class Checkpointer:
 
 
 def _is_stacked(path) -> bool:
-    names = {str(getattr(entry, "key", getattr(entry, "name", ""))) for entry in path}
-    return bool(names & set(SCANNED_STACKS))
+    """A leaf of a scanned layer stack (params or their optimizer state): `[L, ...]`."""
+    return bool(set(param_table.key_names(path)) & set(param_table.STACKS))
 
 
 def _all_processes(ok: bool) -> bool:
@@ -288,12 +254,37 @@ def _all_processes(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
-def check_compatible(saved_model: dict, model: ModelConfig, where: Path) -> None:
-    for key in SHAPE_FIELDS:
-        if saved_model.get(key) != getattr(model, key):
-            raise IncompatibleCheckpoint(
-                f"{where}: saved with model.{key}={saved_model.get(key)!r} but the config has "
-                f"model.{key}={getattr(model, key)!r}; use a new run directory for a new model")
+def check_compatible(step_dir: Path, meta: dict, model: ModelConfig, abstract: TrainState) -> None:
+    """Refuse a checkpoint of another model: its leaves (from its fingerprint) must be this
+    model's train state's, and its parameters and router bias must have their shapes and
+    dtypes (the optimizer state follows the parameters). A checkpoint of another model is
+    a user error, not corruption to fall back from; the message names the config fields
+    that differ."""
+    ours = {leaf_key(path): leaf for path, leaf in
+            jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    saved = set(meta["fingerprint"])
+    problem = None
+    if set(ours) != saved:
+        key = sorted(set(ours) ^ saved)[0]
+        problem = (f"{key} is in this model but not in the checkpoint" if key in ours else
+                   f"{key} is in the checkpoint but not in this model")
+    else:
+        for key, leaf in ours.items():
+            if not key.startswith("params.") and key != param_table.ROUTER_BIAS.key:
+                continue
+            store = open_saved_array(step_dir, key)
+            shape, dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
+            if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
+                problem = (f"{key} is {dtype.name}{list(shape)} in the checkpoint but "
+                           f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} in this model")
+                break
+    if problem:
+        saved_model = meta["config"]["model"]
+        differ = [f"model.{k}={saved_model.get(k)!r} but the config has model.{k}={v!r}"
+                  for k, v in to_dict(model).items() if saved_model.get(k) != v]
+        raise IncompatibleCheckpoint(
+            f"{step_dir}: {problem} (saved with {'; '.join(differ) or 'the same model config'}); "
+            "use a new run directory for a new model")
 
 
 # ----------------------------------------------------------------------------- reading without devices

@@ -2,16 +2,18 @@
 
 Muon (Jordan 2024; Liu et al. 2025 "Muon is Scalable for LLM Training", arXiv:2502.16982)
 orthogonalizes each matrix's momentum with Newton–Schulz. Which axes form "the matrix"
-matters for our stacked, multi-axis weights, so every parameter name has an entry below:
-leading `layers` (scan) and `experts` axes are batch axes (one orthogonalization per
-layer, per expert); the trailing axes split into reduction (input) and output groups,
-e.g. `w_q_b[Q, H, K]` is one `Q × (H·K)` matrix exactly like DeepSeek's `q_b_proj`.
+matters for our stacked, multi-axis weights, so every Muon parameter's row in the table
+(param_table.py, `muon_axes`) says: leading `layers` (scan) and `experts` axes are batch
+axes (one orthogonalization per layer, per expert); the trailing axes split into
+reduction (input) and output groups, e.g. `w_q_b[Q, H, K]` is one `Q × (H·K)` matrix
+exactly like DeepSeek's `q_b_proj`.
 
 AdamW keeps the embedding, LM head and router gate (decayed) and norm scales (not
-decayed). The router gate stays on AdamW on purpose: its columns are per-expert
-classifier directions whose *individual* scales decide routing; orthogonalizing the
-update would equalize its singular values and move all experts' logits in lockstep,
-the same reason Muon excludes the LM head. It is < 0.05 % of parameters.
+decayed), as the table's `optimizer` says. The router gate stays on AdamW on purpose:
+its columns are per-expert classifier directions whose *individual* scales decide
+routing; orthogonalizing the update would equalize its singular values and move all
+experts' logits in lockstep, the same reason Muon excludes the LM head. It is < 0.05 %
+of parameters.
 
 With `consistent_rms=0.2` Muon's update RMS matches AdamW's (Moonlight/Kimi), so one
 learning rate and schedule serve both groups.
@@ -22,7 +24,6 @@ Given the trainer's mesh, Newton–Schulz runs on whole matrices spread over the
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -30,44 +31,25 @@ import optax
 from jax.sharding import Mesh
 from optax.contrib import MuonDimensionNumbers
 
+from europa_jax import param_table
+from europa_jax.config import ModelConfig, OptimConfig
 from europa_jax.train import muon_sharded
-from europa_jax.parallel import sharding
-from europa_jax.config import OptimConfig
-
-# Parameter name → (number of trailing reduction axes, number of trailing output axes).
-MUON_MATRICES: dict[str, tuple[int, int]] = {
-    "w_q_a": (1, 1), "w_kv_a": (1, 1),
-    "w_q_b": (1, 2), "w_kv_b": (1, 2),
-    "w_o": (2, 1),
-    "w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1),
-}
-ADAMW_DECAYED = frozenset({"embedding", "lm_head", "w_router"})
-ADAMW_NOT_DECAYED = frozenset({"scale"})
 
 
 def labels(params: Any) -> Any:
-    """'muon' | 'adamw' | 'adamw_no_decay' per parameter; an unknown name is an error."""
-    def label(path, _):
-        name = sharding.param_name(path)
-        if name in MUON_MATRICES:
-            return "muon"
-        if name in ADAMW_DECAYED:
-            return "adamw"
-        if name in ADAMW_NOT_DECAYED:
-            return "adamw_no_decay"
-        raise KeyError(f"parameter {jax.tree_util.keystr(path)}: no optimizer rule for "
-                       f"{name!r} (add it to optim.MUON_MATRICES or the AdamW sets)")
-
-    return jax.tree_util.tree_map_with_path(label, params)
+    """'muon' | 'adamw' | 'adamw_no_decay' per parameter, from its row in the parameter
+    table (param_table.py); an undeclared parameter is an error."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: param_table.row_of_path(path).optimizer, params)
 
 
 def muon_dimension_numbers(params: Any) -> Any:
     """Reduction/output axes of each Muon matrix (leading axes are batch axes); None else."""
     def dims(path, leaf):
-        name = sharding.param_name(path)
-        if name not in MUON_MATRICES:
+        row = param_table.row_of_path(path)
+        if row.muon_axes is None:
             return None
-        n_reduce, n_out = MUON_MATRICES[name]
+        n_reduce, n_out = row.muon_axes
         ndim = len(leaf.shape)
         reduce_axes = tuple(range(ndim - n_reduce - n_out, ndim - n_out))
         return MuonDimensionNumbers(reduction_axis=reduce_axes,
@@ -116,9 +98,9 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None
     return optax.chain(clip, partitioned)
 
 
-def muon_fraction(params: Any) -> float:
-    """Share of parameters (by count) that Muon updates."""
-    by_label: dict[str, int] = {}
-    for label, leaf in zip(jax.tree.leaves(labels(params)), jax.tree.leaves(params)):
-        by_label[label] = by_label.get(label, 0) + math.prod(leaf.shape)
-    return by_label.get("muon", 0) / sum(by_label.values())
+def muon_fraction(cfg: ModelConfig) -> float:
+    """Share of the model's parameters (by count, without storage padding) that Muon updates."""
+    count = lambda rows: sum(param_table.layer_count(p, cfg) * param_table.size(p, cfg)
+                             for p in rows)
+    rows = param_table.ROWS.values()
+    return count(p for p in rows if p.optimizer == "muon") / count(rows)

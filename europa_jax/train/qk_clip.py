@@ -14,7 +14,8 @@ exactly τ (later layers see changed inputs, and the step's own update is clippe
 max measured before it, as in K2: the next forward can exceed τ again). Heads at or under
 τ are multiplied by exactly 1.0: bit-identical.
 
-Shape legend: L layers, H heads, K head dims (stored width, padding included).
+Shape suffixes (europa_jax/__init__.py): L layers, H heads, K head dims (the stored
+width, padding included).
 
 Cost: the factor multiplies the float32 master shards of w_q_b and w_kv_b elementwise
 (one multiply per stored element per step, `cost`); the factor is pinned replicated and
@@ -31,9 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from europa_jax.parallel import comm, sharding
+from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model.attention import W_KV_B_AXES, W_Q_B_AXES
+from europa_jax.parallel import comm, layout
+
+
+# The head-specific up-projections QK-clip scales along their `heads` axis.
+W_Q_B, W_KV_B = param_table.row("attention.w_q_b"), param_table.row("attention.w_kv_b")
 
 
 def global_max(x: jax.Array) -> jax.Array:
@@ -52,13 +57,15 @@ def head_factors(logit_max_LH: jax.Array, threshold: float) -> tuple[jax.Array, 
 def layer_stacks(cfg: ModelConfig) -> list[tuple[str, slice | int]]:
     """(parameter key, its layers in the [L, ...] stats): the scanned stacks hold a slice
     of the layers on a leading axis, unrolled layers one each."""
-    nd, n = cfg.n_dense_layers, cfg.n_layers
-    if cfg.scan_layers:
-        return [(key, layers) for key, layers in (("dense_layers", slice(0, nd)),
-                                                  ("moe_layers", slice(nd, n)))
-                if layers.stop > layers.start]
-    return ([(f"dense_layers_{i}", i) for i in range(nd)]
-            + [(f"moe_layers_{i - nd}", i) for i in range(nd, n)])
+    out, first = [], 0
+    for stack, n in zip(param_table.STACKS, (cfg.n_dense_layers, cfg.n_moe_layers)):
+        if cfg.scan_layers and n:
+            out.append((stack, slice(first, first + n)))
+        elif not cfg.scan_layers:
+            out += [(param_table.stack_key(stack, i, scanned=False)[0], first + i)
+                    for i in range(n)]
+        first += n
+    return out
 
 
 def scale_heads(w: jax.Array, axes: tuple[str, ...], sqrt_gamma_LH: jax.Array,
@@ -114,10 +121,10 @@ def clip(params: Any, logit_max_LH: jax.Array, threshold: float | None, cfg: Mod
     for key, layers in layer_stacks(cfg):
         lead = ("layers",) if isinstance(layers, slice) else ()
         attention = dict(params[key]["attention"])
-        attention["w_q_b"] = scale_heads(attention["w_q_b"], lead + W_Q_B_AXES,
+        attention["w_q_b"] = scale_heads(attention["w_q_b"], lead + W_Q_B.axes,
                                          sqrt_gamma_LH[layers], gamma_LH[layers], n, p,
                                          replicated)
-        attention["w_kv_b"] = scale_heads(attention["w_kv_b"], lead + W_KV_B_AXES,
+        attention["w_kv_b"] = scale_heads(attention["w_kv_b"], lead + W_KV_B.axes,
                                           sqrt_gamma_LH[layers], gamma_LH[layers], n, 0,
                                           replicated)
         params[key] = {**params[key], "attention": attention}
@@ -131,11 +138,10 @@ def cost(cfg: ModelConfig, threshold: float | None, n_devices: int,
     The measurement (max logits, one all-reduce) runs whether or not the clip is on; the
     clip itself only when `threshold` is set.
     """
-    stored = lambda shape, axes: math.prod(sharding.storage_shape(axes, shape,
-                                                                  cfg.param_pad_multiple))
-    h, n, layers = cfg.n_heads, cfg.qk_nope_head_dim, cfg.n_layers
-    clipped = layers * (stored((cfg.q_lora_rank, h, n + cfg.qk_rope_head_dim), W_Q_B_AXES)
-                        + stored((cfg.kv_lora_rank, h, n + cfg.v_head_dim), W_KV_B_AXES))
+    unsharded = layout.for_mesh(cfg)
+    stored = lambda role: math.prod(unsharded[role].stored_shape)
+    h, layers = cfg.n_heads, cfg.n_layers
+    clipped = layers * (stored("attention.w_q_b") + stored("attention.w_kv_b"))
     on = bool(threshold)
     return {
         "threshold": threshold if on else None,

@@ -1,8 +1,11 @@
-"""Train state and the pure train step (the loop that runs it is loop.py).
+"""Train state and the pure train step (the loop that runs it is run/loop.py).
 
-State is built shape-only first (`jax.eval_shape`), shardings are derived from the
-logical names, and only then is a jitted init run with `out_shardings`: no array is ever
-materialized unsharded, and the same abstract tree serves restore and planning.
+State is built shape-only first (`abstract_params`: the model's init traced with
+`jax.eval_shape`, the one derivation of the parameters' structure), shardings come from
+each parameter's layout on the mesh (parallel/layout.py, from the parameter table), and
+only then is a jitted init run with `out_shardings`: no array is ever materialized
+unsharded, and the same abstract state (`Trainer.abstract_state`) serves restore,
+planning and import.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from europa_jax.parallel import comm, offload, sharding
-from europa_jax.train import optim, qk_clip
-from europa_jax.config import Config, ConfigError
+from europa_jax import param_table
+from europa_jax.config import Config, ConfigError, ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.moe import updated_router_bias
-from europa_jax.model.transformer import Transformer, init_router_bias
+from europa_jax.model.transformer import init_router_bias, Transformer
+from europa_jax.parallel import comm, layout, offload, sharding
+from europa_jax.parallel.layout import Layout
+from europa_jax.train import optim, qk_clip
 
 Batch = dict[str, jax.Array]
 
@@ -44,11 +49,17 @@ class Trainer:
     mesh: Mesh
     model: Transformer
     tx: optax.GradientTransformation
+    layout: Layout  # every parameter's layout on this mesh, resolved once
     state_shardings: TrainState
+    # the train state's shapes, dtypes and shardings: what restore, plan and import use
+    abstract_state: TrainState
     batch_sharding: NamedSharding
-    abstract_params: Any  # ShapeDtypeStructs, unboxed
     param_specs: Any  # PartitionSpecs of the parameters
     spmd: comm.SpmdContext
+
+    @property
+    def abstract_params(self) -> Any:
+        return self.abstract_state.params
 
     def loss(self, params, router_bias_LE, batch: Batch):
         """`loss_and_stats` run as one shard_map over the whole mesh (explicit SPMD).
@@ -71,58 +82,60 @@ def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
             "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
 
 
-def abstract_variables(cfg: Config) -> Any:
-    """Boxed (logically named) abstract parameters, from shapes alone."""
-    model = Transformer(cfg.model)
-    batch = dummy_batch(cfg, batch_size=1)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), batch["tokens"],
-                                             batch["segment_ids"], batch["positions"],
-                                             init_router_bias(cfg.model)))["params"]
+def abstract_params(cfg: Config) -> Any:
+    """The parameter tree as ShapeDtypeStructs (stored shapes, no shardings), from the
+    model's own init traced shape-only: the one derivation of the parameters' structure."""
+    return _abstract_params(cfg.model, cfg.data.seq_len)
 
 
-def without_storage_padding(cfg: Config) -> Config:
-    """The same model with every parameter in the shape the model uses (no
-    `model.param_pad_multiple` padding, sharding.storage_shape)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_pad_multiple=1))
-
-
-def model_param_shapes(cfg: Config) -> Any:
-    """The parameters' shapes as the model uses them (tuples, in the parameter tree)."""
-    return jax.tree.map(lambda leaf: tuple(leaf.shape),
-                        nn.unbox(abstract_variables(without_storage_padding(cfg))))
+@functools.lru_cache(maxsize=16)
+def _abstract_params(model_cfg: ModelConfig, seq_len: int) -> Any:
+    model = Transformer(model_cfg)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    return jax.eval_shape(lambda: model.init(
+        jax.random.key(0), tokens, jnp.ones_like(tokens),
+        jnp.arange(seq_len, dtype=jnp.int32)[None], init_router_bias(model_cfg)))["params"]
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload))
-    boxed = abstract_variables(cfg)
-    param_specs = sharding.specs_for(boxed, sharding.mesh_shape_of(mesh))
+    mesh_shape = sharding.mesh_shape_of(mesh)
+    on_mesh = layout.for_mesh(cfg.model, mesh_shape)
+    shapes = abstract_params(cfg)
+    param_specs = on_mesh.specs(shapes)
     # the optimizer lays Muon's matrices out over this mesh (one whole matrix per device)
-    padded = cfg.model.param_pad_multiple > 1  # else the stored shapes are the model's
+    # and scales them by the model's shapes (else the stored ones: the same if unpadded)
+    padded = cfg.model.param_pad_multiple > 1
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps, mesh, param_specs,
-                               model_shapes=model_param_shapes(cfg) if padded else None)
-    abstract_params = nn.unbox(boxed)
+                               model_shapes=param_table.model_shapes(shapes, cfg.model) if padded
+                               else None)
     placed_on = sharding.placement_mesh(mesh)
     param_shardings = jax.tree.map(lambda spec: NamedSharding(placed_on, spec), param_specs,
                                    is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(placed_on, P())
-    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = shardings_like_params(abstract_opt_state, abstract_params, param_shardings,
-                                          replicated)
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    opt_shardings = shardings_like_params(opt_shapes, shapes, param_shardings, replicated)
     state_shardings = offload.place_state(
         TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                    router_bias_LE=replicated),
-        TrainState(step=None, params=abstract_params, opt_state=abstract_opt_state,
-                   router_bias_LE=None), cfg.offload)
+        TrainState(step=None, params=shapes, opt_state=opt_shapes, router_bias_LE=None),
+        cfg.offload)
+    state_shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
+                              opt_state=opt_shapes, router_bias_LE=jax.ShapeDtypeStruct(
+                                  param_table.ROUTER_BIAS.shape(cfg.model), jnp.float32))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            state_shapes, state_shardings)
     batch_spec = sharding.resolve_spec(("batch", "seq"), (cfg.data.global_batch_size,
-                                                          cfg.data.seq_len),
-                                       sharding.mesh_shape_of(mesh))
-    return Trainer(cfg, mesh, model, tx, state_shardings, NamedSharding(placed_on, batch_spec),
-                   abstract_params, param_specs, spmd_context(cfg, mesh))
+                                                          cfg.data.seq_len), mesh_shape)
+    return Trainer(cfg, mesh, model, tx, on_mesh, state_shardings, abstract,
+                   NamedSharding(placed_on, batch_spec), param_specs,
+                   spmd_context(cfg, mesh, on_mesh))
 
 
-def spmd_context(cfg: Config, mesh: Mesh) -> comm.SpmdContext:
-    """What the model's collectives and kernels need: the mesh's shape and platform (the
-    platform of its devices, which may be GPUs compiled for on a CPU machine)."""
+def spmd_context(cfg: Config, mesh: Mesh, on_mesh: Layout) -> comm.SpmdContext:
+    """What the model's collectives and kernels need: the parameters' layout on the mesh,
+    the wire settings and the platform of the mesh's devices (which may be GPUs compiled
+    for on a CPU machine)."""
     exchange = cfg.comm.expert_exchange
     platform = sharding.mesh_platform(mesh)
     if exchange == "auto":
@@ -132,11 +145,8 @@ def spmd_context(cfg: Config, mesh: Mesh) -> comm.SpmdContext:
                           "lacks; use 'dense' or 'auto' on CPU")
     kernels.grouped_matmul_impl(cfg.model, platform)  # a kernel this platform lacks: fail now
     kernels.attention_impl(cfg.model, platform)
-    return comm.SpmdContext(mesh_shape=sharding.mesh_shape_of(mesh), platform=platform,
-                            weight_gather_dtype=cfg.comm.weight_gather_dtype,
-                            grad_reduce_dtype=cfg.comm.grad_reduce_dtype,
-                            expert_exchange=exchange,
-                            expert_exchange_dtype=cfg.comm.expert_exchange_dtype)
+    return comm.SpmdContext(layout=on_mesh, comm=dataclasses.replace(
+        cfg.comm, expert_exchange=exchange), platform=platform)
 
 
 def shardings_like_params(tree: Any, abstract_params: Any, param_shardings: Any,
@@ -183,13 +193,6 @@ def init_state(trainer: Trainer, seed: int) -> TrainState:
     with jax.set_mesh(trainer.mesh):
         return jax.jit(_init_fn(trainer), out_shardings=trainer.state_shardings)(
             jax.random.key(seed))
-
-
-def abstract_state(trainer: Trainer) -> TrainState:
-    """Shapes, dtypes and shardings of the train state: for AOT lowering and restore."""
-    shapes = jax.eval_shape(_init_fn(trainer), jax.random.key(0))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, trainer.state_shardings)
 
 
 def abstract_batch(trainer: Trainer) -> Batch:

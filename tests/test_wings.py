@@ -1,0 +1,72 @@
+"""The package's wings and their order: no module imports a wing above its own.
+
+core (config, config_loader, param_table) < data, parallel < model < train < plan < run
+< interop < cli. Every import counts, including those inside functions (taken late only
+to keep start-up light). The README's "What is here" table lists every module.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "europa_jax"
+CORE = {"config", "config_loader", "param_table"}
+RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "run": 5,
+        "interop": 6, "cli": 7}
+
+
+def wing(module: str) -> str:
+    """'europa_jax.run.loop' → 'run'; the core modules → 'core'; the package → 'core'."""
+    parts = module.split(".")[1:]
+    if not parts or parts[0] in CORE:
+        return "core"
+    return parts[0]
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts)
+        yield (name[:-len(".__init__")] if name.endswith(".__init__") else name), path
+
+
+def imported(path: pathlib.Path, module: str):
+    """Every europa_jax module `path` imports (a `from europa_jax.x import y` may name
+    module y or a member of x: both are in x's wing or y's, the same here)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("europa_jax"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            if base == "europa_jax":
+                yield from (f"europa_jax.{a.name}" for a in node.names)
+            elif base.startswith("europa_jax."):
+                yield base
+
+
+def test_every_module_lives_in_a_wing_or_the_core():
+    for module, _ in modules():
+        w = wing(module)
+        assert w in RANK or module == "europa_jax.cli", module
+
+
+@pytest.mark.parametrize("module,path", list(modules()), ids=lambda x: str(x))
+def test_no_module_imports_a_wing_above_its_own(module, path):
+    own = "cli" if module == "europa_jax.cli" else wing(module)
+    for target in imported(path, module):
+        other = "cli" if target == "europa_jax.cli" else wing(target)
+        assert other == own or RANK[other] < RANK[own], (
+            f"{module} ({own}) imports {target} ({other})")
+
+
+def test_the_readme_lists_every_module():
+    readme = (ROOT / "README.md").read_text()
+    missing = [str(path.relative_to(ROOT)) for _, path in modules()
+               if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in readme]
+    assert not missing, missing
