@@ -3,7 +3,7 @@
     python benchmarks/comm_bytes.py [--config configs/small-cpu.yaml] [--steps 3] [--json OUT]
 
 1. Lowers the step with weight gathers in fp32, bf16 and fp8 (gradient reductions in fp32,
-   bf16, bf16) and reads every collective from the HLO (europa_jax.hlo_report).
+   bf16, bf16) and reads every collective from the HLO (europa_jax.plan.hlo_report).
 2. Runs a few real steps with and without group-limited routing (n_group = expert axis,
    topk_group = 2) and reports the MoE token rows that leave a device: what the ragged
    exchange on GPU sends, with per-device deduplication, against one row per remote copy.

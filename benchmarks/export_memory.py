@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))  # the checkout, also when run as a script
 
 MEASURE = """
 import json, sys, threading, time
-from europa_jax.export import export, parse_size
+from europa_jax.interop.export import export, parse_size
 
 def rss():  # current resident set, bytes (ru_maxrss would include the imports' peak)
     with open("/proc/self/statm") as f:

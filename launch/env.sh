@@ -22,7 +22,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # The one-shot ragged all-to-all kernel is slower for the MoE exchange (MaxText, Marin).
 # GEMMs on cuBLAS, not Triton: XLA's Triton GEMM fusion fails to tile some Newton–Schulz
 # matmuls when compiled ahead of time, and `europa-jax plan --target gh200` compiles with
-# exactly this option (europa_jax/gpu_target.py), so plan and run see the same program.
+# exactly this option (europa_jax/plan/gpu_target.py), so plan and run see the same program.
 europa_xla_flags=(
   --xla_gpu_enable_latency_hiding_scheduler=true
   --xla_gpu_enable_highest_priority_async_stream=true

@@ -1,4 +1,4 @@
-"""Tests for europa_jax.corpus: the on-disk format, atomic writes, damaged shards."""
+"""Tests for europa_jax.data.corpus: the on-disk format, atomic writes, damaged shards."""
 
 import json
 import pickle

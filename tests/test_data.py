@@ -1,4 +1,4 @@
-"""Tests for europa_jax.data: packing, balancing, per-process reads, exact resume.
+"""Tests for europa_jax.data.pipeline: packing, balancing, per-process reads, exact resume.
 
 The synthetic corpus makes every token say where it came from: token = doc · 1024 + position
 in the document, so any batch can be checked against the corpus exactly.

@@ -110,7 +110,7 @@ def test_expert_groups_name_nodes_and_processes():
 COLLECTIVE_LOOP = """
 import sys
 from jax.experimental import multihost_utils
-from europa_jax import distributed
+from europa_jax.run import distributed
 from europa_jax.config import MeshConfig
 distributed.start(MeshConfig(data=2, expert=4))
 multihost_utils.process_allgather(1)
@@ -121,7 +121,7 @@ while True:
 
 MESH_DRIVER = """
 import json
-from europa_jax import distributed
+from europa_jax.run import distributed
 from europa_jax.config import MeshConfig
 mesh_cfg = MeshConfig(data=2, expert=4)
 distributed.start(mesh_cfg)

@@ -1,4 +1,4 @@
-"""Tests for europa_jax.packing: exact row filling, conservation, balance."""
+"""Tests for europa_jax.data.packing: exact row filling, conservation, balance."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Tests for europa_jax.prepare and `europa-jax prepare`: inputs, streaming, bad input."""
+"""Tests for europa_jax.data.prepare and `europa-jax prepare`: inputs, streaming, bad input."""
 
 import gzip
 import json

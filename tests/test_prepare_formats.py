@@ -1,4 +1,4 @@
-"""Tests for prepare's input formats (europa_jax.readers): real .zst, .gz and .parquet files
+"""Tests for prepare's input formats (europa_jax.data.readers): real .zst, .gz and .parquet files
 written with the real libraries, read back through the prepared corpus."""
 
 import gzip

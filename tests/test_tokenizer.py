@@ -1,4 +1,4 @@
-"""Tests for europa_jax.tokenizer: byte level and Hugging Face tokenizer.json."""
+"""Tests for europa_jax.data.tokenizer: byte level and Hugging Face tokenizer.json."""
 
 import json
 import re

@@ -24,7 +24,8 @@ from europa_jax.parallel import offload
 from europa_jax.run import checkpoint, distributed, logs, run_log
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
-from europa_jax.train.train import build_trainer, init_state, jit_eval_step, jit_train_step, Trainer
+from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
+                                    Trainer)
 
 log = logging.getLogger(__name__)
 
