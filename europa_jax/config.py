@@ -83,10 +83,12 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention_block_size: int = 512  # the blockwise kernel's query/key block length
-    # Attention kernel (model/kernels.py): auto = the blockwise scan on CPU, tokamax's flash
-    # attention on GPU (Mosaic GPU; `tokamax_triton`: its Triton kernel; `tokamax_xla`:
-    # tokamax's XLA path, which builds a [S, S] mask: tests only).
-    attention: Literal["auto", "blockwise", "tokamax", "tokamax_triton", "tokamax_xla"] = "auto"
+    # Attention kernel (model/kernels.py): auto = on CPU `dense` (all [S, S] scores at once)
+    # where one device's scores fit, else the blockwise scan; tokamax's flash attention on
+    # GPU (Mosaic GPU; `tokamax_triton`: its Triton kernel; `tokamax_xla`: tokamax's XLA
+    # path, which builds a [S, S] mask: tests only).
+    attention: Literal["auto", "dense", "blockwise", "tokamax", "tokamax_triton",
+                       "tokamax_xla"] = "auto"
     # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
     # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
     loss_chunk_tokens: int = 4096

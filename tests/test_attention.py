@@ -1,5 +1,7 @@
-"""MLA attention: the blockwise kernel equals naive attention, is causal and isolates
-documents; the library (tokamax) kernel's call equals the blockwise kernel."""
+"""MLA attention: the dense and blockwise kernels equal naive attention, are causal and
+isolate documents; the library (tokamax) kernel's call equals the blockwise kernel."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,8 @@ import numpy as np
 import pytest
 
 from europa_jax.model import kernels
-from europa_jax.model.attention import (attention_mask, blockwise_attention, document_starts,
-                                        library_attention, pad_sequence)
+from europa_jax.model.attention import (attention_mask, blockwise_attention, dense_attention,
+                                        document_starts, library_attention, pad_sequence)
 
 
 def naive_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale):
@@ -52,6 +54,36 @@ def test_blockwise_gradients_equal_naive():
     f_blk = lambda *a: jnp.sum(jnp.sin(blockwise_attention(*a, seg, block_size=16, scale=0.3)))
     for g_ref, g_blk in zip(jax.grad(f_ref, (0, 1, 2))(q, k, v), jax.grad(f_blk, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(g_blk, g_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, 16, 24])
+def test_dense_equals_naive_values_logit_max_and_gradients(block):
+    """The CPU kernel for sequences whose scores fit, in one query block or several (each
+    up to its own keys; 24 leaves a short last block): naive attention's values and
+    gradients, the masked max logit per head, and padding rows' max left out."""
+    q, k, v, seg = random_inputs(4)
+    seg = seg.at[1, 60:].set(0)  # padding rows: a document of their own, max reported apart
+    out, logit_max_H = dense_attention(q, k, v, seg, scale=0.3, block_size=block,
+                                       return_logit_max=True)
+    np.testing.assert_allclose(out, naive_attention(q, k, v, seg, 0.3), rtol=1e-5, atol=1e-5)
+    _, blockwise_max_H = blockwise_attention(q, k, v, seg, block_size=16, scale=0.3,
+                                             return_logit_max=True)
+    np.testing.assert_allclose(logit_max_H, blockwise_max_H, rtol=1e-6)
+    f_ref = lambda *a: jnp.sum(jnp.sin(naive_attention(*a, seg, 0.3)))
+    f_dense = lambda *a: jnp.sum(jnp.sin(dense_attention(*a, seg, scale=0.3, block_size=block)))
+    for g_ref, g_dense in zip(jax.grad(f_ref, (0, 1, 2))(q, k, v),
+                              jax.grad(f_dense, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g_dense, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_is_dense_on_cpu_only_while_the_scores_fit(tiny_cfg):
+    cfg = tiny_cfg.model
+    fits = kernels.DENSE_ATTENTION_MAX_BYTES
+    assert kernels.attention_impl(cfg, "cpu", scores_bytes=fits) == "dense"
+    assert kernels.attention_impl(cfg, "cpu", scores_bytes=fits + 1) == "blockwise"
+    assert kernels.attention_impl(cfg, "cpu") == "blockwise"  # size unknown: never holds them
+    blockwise = dataclasses.replace(cfg, attention="blockwise")
+    assert kernels.attention_impl(blockwise, "cpu", scores_bytes=1) == "blockwise"
 
 
 def test_no_gradient_from_future_tokens():

@@ -11,6 +11,8 @@ tokamax's softmax residual — both already computed, so the report costs no FLO
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,14 +62,21 @@ class MLAttention(nn.Module):
         k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
 
         scale = logit_scale(cfg)
-        impl = kernels.attention_impl(cfg)
-        if impl == "blockwise":
-            result = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
-                                         block_size=cfg.attention_block_size, scale=scale,
+        b, s, h, _ = q_BSHK.shape
+        impl = kernels.attention_impl(cfg, scores_bytes=4 * b * h * s * s)
+        with jax.named_scope("attention_kernel"):  # profiles (benchmarks/profile_breakdown.py)
+            if impl == "dense":
+                result = dense_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
+                                         block_size=cfg.attention_block_size,
                                          return_logit_max=self.report_logit_max)
-        else:
-            result = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
-                                       impl=impl, return_logit_max=self.report_logit_max)
+            elif impl == "blockwise":
+                result = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
+                                             block_size=cfg.attention_block_size, scale=scale,
+                                             return_logit_max=self.report_logit_max)
+            else:
+                result = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
+                                           scale=scale, impl=impl,
+                                           return_logit_max=self.report_logit_max)
         out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
         out_BSD = jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
@@ -94,6 +103,85 @@ def attention_mask(q_index_S, k_index_S, q_segment_BS, k_segment_BS):
     causal_SS = q_index_S[:, None] >= k_index_S[None, :]
     same_doc_BSS = q_segment_BS[:, :, None] == k_segment_BS[:, None, :]
     return (causal_SS[None] & same_doc_BSS)[:, None]
+
+
+def dense_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, block_size=None,
+                    return_logit_max=False):
+    """Causal, document-masked attention with each query block's scores all at once.
+
+    The blockwise kernel's math without its loops: the sequence is cut into query blocks
+    of `block_size` (default: one block), unrolled, and each block attends to the keys up
+    to its own end at once (`_attend`) — causality skips the keys after the block (with
+    2 blocks a quarter of the score matrix). For sequences whose scores fit in memory (the
+    CPU configs), where a few large einsums beat the blockwise scan's loop, conditionals
+    and per-block recompute. Heads lead the batch dims (`[B, H, S, ·]`), so every einsum
+    is a plain batched matmul. With `return_logit_max`, also each head's largest logit.
+    """
+    s = q_BSHK.shape[1]
+    y = min(block_size or s, s)
+    index_S = jnp.arange(s)
+    q_BHSK, k_BHSK, v_BHSO = (jnp.einsum("bshk->bhsk", t) for t in (q_BSHK, k_BSHK, v_BSHO))
+    outs, maxes = [], []
+    for start in range(0, s, y):  # static: each block's own (key-prefix) shapes
+        end = min(start + y, s)
+        mask_B1YS = attention_mask(index_S[start:end], index_S[:end],
+                                   segment_ids_BS[:, start:end], segment_ids_BS[:, :end])
+        out_BHYO, m_BHY = _attend(q_BHSK[:, :, start:end], k_BHSK[:, :, :end],
+                                  v_BHSO[:, :, :end], mask_B1YS, scale)
+        outs.append(out_BHYO)
+        maxes.append(m_BHY)
+    out_BSHO = jnp.einsum("bhso->bsho", jnp.concatenate(outs, axis=2))
+    if not return_logit_max:
+        return out_BSHO
+    return out_BSHO, row_max_per_head(jnp.concatenate(maxes, axis=2), segment_ids_BS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q_BHYK, k_BHSK, v_BHSO, mask_B1YS, scale):
+    """Queries of one block against their visible keys: (output [B, H, Y, O], each row's
+    max logit [B, H, Y]; -inf for a row that sees no key, whose output is zeros).
+
+    A custom VJP (FlashAttention's backward, Dao et al. 2022, on the saved probabilities):
+    dS = P ∘ (dP − rowsum(dO ∘ O)), no pass over the scores for the softmax's own
+    normalization and no mask in the backward — masked probabilities are zeros.
+    """
+    return _attend_fwd(q_BHYK, k_BHSK, v_BHSO, mask_B1YS, scale)[0]
+
+
+def _attend_fwd(q_BHYK, k_BHSK, v_BHSO, mask_B1YS, scale):
+    # the scale goes on the queries (Y·K products, not Y·S), and the probabilities stay
+    # unnormalized (e = exp(s − max)); the output is divided by their sum once per row
+    s_BHYS = jnp.einsum("bhqk,bhtk->bhqt", q_BHYK * jnp.asarray(scale, q_BHYK.dtype), k_BHSK,
+                        preferred_element_type=jnp.float32)
+    s_BHYS = jnp.where(mask_B1YS, s_BHYS, -jnp.inf)
+    m_BHY = s_BHYS.max(axis=-1)
+    shift_BHY = jnp.where(jnp.isfinite(m_BHY), m_BHY, 0.0)  # rows with no visible key
+    e_BHYS = jnp.exp(s_BHYS - shift_BHY[..., None])
+    l_BHY = e_BHYS.sum(axis=-1)
+    inv_l_BHY = 1.0 / jnp.where(l_BHY > 0, l_BHY, 1.0)
+    out_BHYO = jnp.einsum("bhqt,bhtv->bhqv", e_BHYS.astype(v_BHSO.dtype), v_BHSO,
+                          preferred_element_type=jnp.float32) * inv_l_BHY[..., None]
+    return ((out_BHYO.astype(v_BHSO.dtype), m_BHY),
+            (q_BHYK, k_BHSK, v_BHSO, e_BHYS, inv_l_BHY, out_BHYO))
+
+
+def _attend_bwd(scale, residuals, cotangents):
+    q_BHYK, k_BHSK, v_BHSO, e_BHYS, inv_l_BHY, out_BHYO = residuals
+    d_out_BHYO = cotangents[0].astype(jnp.float32)  # the max logit is reported, not trained
+    f32 = dict(preferred_element_type=jnp.float32)
+    # P = e / l: its row factor goes on the small operands, never a pass over the scores
+    d_out_l_BHYO = d_out_BHYO * inv_l_BHY[..., None]
+    dv_BHSO = jnp.einsum("bhqt,bhqv->bhtv", e_BHYS, d_out_l_BHYO, **f32)
+    dp_BHYS = jnp.einsum("bhqv,bhtv->bhqt", d_out_l_BHYO, v_BHSO.astype(jnp.float32), **f32)
+    row_BHY = jnp.sum(d_out_l_BHYO * out_BHYO, axis=-1)
+    ds_BHYS = e_BHYS * (dp_BHYS - row_BHY[..., None])  # dS/scale, as P ∘ (dP − rowsum)
+    dq_BHYK = jnp.einsum("bhqt,bhtk->bhqk", ds_BHYS, k_BHSK.astype(jnp.float32), **f32) * scale
+    dk_BHSK = jnp.einsum("bhqt,bhqk->bhtk", ds_BHYS, q_BHYK.astype(jnp.float32), **f32) * scale
+    return (dq_BHYK.astype(q_BHYK.dtype), dk_BHSK.astype(k_BHSK.dtype),
+            dv_BHSO.astype(v_BHSO.dtype), None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, block_size, scale,

@@ -3,8 +3,9 @@
 Two ops have library kernels on GPU and exact pure-JAX paths elsewhere:
 - the MoE grouped matmul (`model.grouped_matmul`): `auto` = the blocked matmul on CPU
   (moe.grouped_swiglu), tokamax's grouped matmul on GPU;
-- attention (`model.attention`): `auto` = the blockwise online-softmax scan on CPU
-  (attention.blockwise_attention), tokamax's flash attention on GPU (attention.
+- attention (`model.attention`): `auto` = on CPU the whole score matrix at once where it
+  fits (attention.dense_attention), else the blockwise online-softmax scan
+  (attention.blockwise_attention); tokamax's flash attention on GPU (attention.
   library_attention: Mosaic GPU on Hopper).
 
 The platform is that of the mesh the step is traced for (the SPMD context), then jax's
@@ -72,7 +73,19 @@ def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
     return _resolve("grouped_matmul", cfg.grouped_matmul, "blocked", platform)
 
 
-def attention_impl(cfg: ModelConfig, platform: str | None = None) -> str:
-    """The configured attention kernel; `auto` is `blockwise` on CPU and tokamax's flash
-    attention on GPU."""
-    return _resolve("attention", cfg.attention, "blockwise", platform)
+# One device's float32 [B, H, S, S] attention scores up to which `auto` on CPU attends
+# with the whole score matrix at once: XLA:CPU runs those few large einsums several times
+# faster than the blockwise scan's many small ones (and its per-block cond and remat).
+DENSE_ATTENTION_MAX_BYTES = 256 * 2**20
+
+
+def attention_impl(cfg: ModelConfig, platform: str | None = None,
+                   scores_bytes: int | None = None) -> str:
+    """The configured attention kernel. `auto` is tokamax's flash attention on GPU; on CPU
+    `dense` where one device's scores (`scores_bytes`, when the caller knows them) fit
+    DENSE_ATTENTION_MAX_BYTES, else `blockwise`, which never holds them."""
+    impl = _resolve("attention", cfg.attention, "blockwise", platform)
+    if (cfg.attention == "auto" and impl == "blockwise" and scores_bytes is not None
+            and scores_bytes <= DENSE_ATTENTION_MAX_BYTES):
+        return "dense"
+    return impl
