@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from europa_jax.model import kernels
-from europa_jax.model.moe import compute_local_experts, dispatch_layout, grouped_swiglu, MoE, route
+from europa_jax.model.expert_matmul import compute_local_experts, grouped_swiglu
+from europa_jax.model.moe import dispatch_layout, MoE, route
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
+from europa_jax.model.expert_matmul import compute_local_experts
 from europa_jax.model.layers import SwiGLU, weight
 from europa_jax.parallel import comm
 
@@ -43,92 +44,6 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         weights_TU = weights_TU / (weights_TU.sum(axis=-1, keepdims=True) + 1e-20)
     return weights_TU * cfg.routed_scaling_factor, experts_TU.astype(jnp.int32)
-
-
-def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, impl: str,
-                   block_rows: int = 256):
-    """SwiGLU per expert on rows sorted by expert; rows past sum(group_sizes) give zeros.
-
-    - `tokamax`: tokamax's grouped matmul — on Hopper its Pallas Mosaic GPU kernel (then
-      Triton), each row multiplied by its own expert's matrix only; elsewhere tokamax
-      falls back to XLA. The GPU default. `tokamax_triton`: the Triton kernel only (built
-      entirely ahead of time; Mosaic GPU kernels are built when the program loads).
-    - `ragged_dot`: `jax.lax.ragged_dot`. jaxlib 0.10.2 compiles it, on GPU as on CPU, to
-      a dense masked matmul over *all* experts (E× the FLOPs and an [E, M, ·] buffer).
-    - `blocked` (XLA:CPU): each expert's rows are padded to a multiple of `block_rows`,
-      every block then belongs to one expert and is multiplied by that expert's matrix;
-      blocks past the filled rows are skipped at run time (the expert-parallel receive
-      buffer is sized for the worst case). Exact, at most E·(block_rows−1) padding rows.
-    """
-    if impl in ("ragged_dot", "tokamax", "tokamax_triton"):
-        matmul = _ragged_matmul(impl, group_sizes_E)
-        hidden_MF = nn.silu(matmul(x_MD, w_gate_EDF)) * matmul(x_MD, w_up_EDF)
-        out_MD = matmul(hidden_MF, w_down_EFD)
-        if impl == "ragged_dot":
-            return out_MD
-        # tokamax's GPU kernels need not write rows past the groups: make them zeros
-        filled_M = jnp.arange(x_MD.shape[0]) < group_sizes_E.sum()
-        return jnp.where(filled_M[:, None], out_MD, 0)
-    m, e = x_MD.shape[0], group_sizes_E.shape[0]
-    y = max(1, min(block_rows, m))
-    n_blocks = -(-(m + e * (y - 1)) // y)  # static bound on blocks after per-expert padding
-    padded_sizes_E = -(-group_sizes_E // y) * y
-    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    padded_end_E = jnp.cumsum(padded_sizes_E)
-    expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(m),
-                                            side="right"), e - 1)
-    valid_M = jnp.arange(m) < group_sizes_E.sum()
-    row_M = padded_end_E[expert_M] - padded_sizes_E[expert_M] + jnp.arange(m) - start_E[expert_M]
-    row_M = jnp.where(valid_M, row_M, n_blocks * y)  # out of range: dropped / filled with 0
-    block_expert_X = jnp.minimum(
-        jnp.searchsorted(padded_end_E, jnp.arange(n_blocks) * y, side="right"), e - 1)
-
-    used_blocks = padded_end_E[-1] // y  # blocks past this hold no row: skipped
-
-    def blocked(rows, w):  # rows [M, in] @ each row's expert's w [E, in, out] → [M, out]
-        blocks = jnp.zeros((n_blocks * y, rows.shape[1]), rows.dtype).at[row_M].set(
-            rows, mode="drop").reshape(n_blocks, y, -1)
-
-        def block(args):  # a real branch: the static bound is worst-case, the work is not
-            n, block_rows = args
-            return jax.lax.cond(n < used_blocks, lambda: block_rows @ w[block_expert_X[n]],
-                                lambda: jnp.zeros((y, w.shape[-1]), block_rows.dtype))
-
-        # checkpoint: backward re-indexes w instead of saving each block's [in, out] slice
-        out_blocks = jax.lax.map(jax.checkpoint(block), (jnp.arange(n_blocks), blocks))
-        return out_blocks.reshape(n_blocks * y, -1).at[row_M].get(mode="fill", fill_value=0)
-
-    hidden_MF = nn.silu(blocked(x_MD, w_gate_EDF)) * blocked(x_MD, w_up_EDF)
-    return blocked(hidden_MF, w_down_EFD)
-
-
-def _ragged_matmul(impl: str, group_sizes_E):
-    if impl == "ragged_dot":
-        return lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes_E)
-    tokamax = kernels.import_tokamax()
-    # None: tokamax's own order (Mosaic GPU on Hopper, then Triton, then XLA)
-    implementation = ("triton", "xla") if impl == "tokamax_triton" else None
-    return lambda rows, w: tokamax.ragged_dot(rows, w, group_sizes_E,
-                                              implementation=implementation)
-
-
-def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                          impl: str):
-    """Σ_k weight·expert_k(row) for rows whose choices index *these* experts (−1 = none).
-
-    Shared by the single-device path (rows = tokens) and the expert-parallel path (rows =
-    what peers sent). Returns the combined rows [R, D] float32 and copies per expert [E].
-    """
-    r, k = experts_RU.shape
-    e = w_gate_EDF.shape[0]
-    ids_M = jnp.where(experts_RU >= 0, experts_RU, e).reshape(-1)  # "none" sorts last
-    order_M = jnp.argsort(ids_M, stable=True)
-    sizes_E = jnp.bincount(ids_M, length=e + 1)[:e].astype(jnp.int32)
-    y_sorted_MD = grouped_swiglu(x_RD[order_M // k], w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E,
-                                 impl=impl)
-    y_sorted_MD = jnp.where((ids_M[order_M] < e)[:, None], y_sorted_MD, 0)
-    y_RUD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD).reshape(r, k, -1)
-    return jnp.einsum("rud,ru->rd", y_RUD.astype(jnp.float32), weights_RU), sizes_E
 
 
 def dispatch_layout(experts_TU: jax.Array, ep: int, experts_per_device: int, capacity: int):
@@ -169,11 +84,14 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
     dest_TU, kept_TJ, index_TJ = dispatch_layout(experts_TU, ep, e_local, capacity)
     rows = ep * capacity
 
-    def scatter(values, fill):  # [T, J, ...] → [J, C, ...] send buffer
-        flat = values.reshape(t * ep, *values.shape[2:])
-        buf = jnp.full((rows, *flat.shape[1:]), fill, flat.dtype)
-        return buf.at[index_TJ.reshape(-1)].set(flat, mode="drop").reshape(
-            ep, capacity, *flat.shape[1:])
+    # each slot of the [J, C] send buffer: which (token, peer) fills it (t·ep: none), so
+    # the buffers are gathered from the tokens — no [T, J, D] copy of them is ever made
+    source_S = jnp.full(rows, t * ep, jnp.int32).at[index_TJ.reshape(-1)].set(
+        jnp.arange(t * ep, dtype=jnp.int32), mode="drop")
+
+    def send_buffer(values, fill):  # [T·J, ...] per (token, peer) → [J, C, ...]
+        return values.at[source_S].get(mode="fill", fill_value=fill).reshape(
+            ep, capacity, *values.shape[1:])
 
     peer_TUJ = dest_TU[:, :, None] == jnp.arange(ep)
     local_TJU = jnp.where(peer_TUJ, experts_TU[:, :, None] % e_local, -1).transpose(0, 2, 1)
@@ -181,16 +99,21 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
     send_counts_J = kept_TJ.sum(axis=0).astype(jnp.int32)
     recv_counts_J = comm.exchange_counts(send_counts_J)
     wire = comm.exchange_dtype(x_TD.dtype)
-    recv_x_JCD = comm.exchange(scatter(jnp.broadcast_to(x_TD.astype(wire)[:, None], (t, ep, d)), 0),
-                               send_counts_J, recv_counts_J).astype(x_TD.dtype)
-    recv_e_JCU = comm.exchange(scatter(local_TJU, -1), send_counts_J, recv_counts_J)
-    recv_w_JCU = comm.exchange(scatter(gate_TJU, 0.0), send_counts_J, recv_counts_J)
+    send_x_JCD = x_TD.astype(wire).at[source_S // ep].get(mode="fill", fill_value=0).reshape(
+        ep, capacity, d)
+    recv_x_JCD = comm.exchange(send_x_JCD, send_counts_J, recv_counts_J).astype(x_TD.dtype)
+    recv_e_JCU = comm.exchange(send_buffer(local_TJU.reshape(t * ep, k), -1), send_counts_J,
+                               recv_counts_J)
+    recv_w_JCU = comm.exchange(send_buffer(gate_TJU.reshape(t * ep, k), 0.0), send_counts_J,
+                               recv_counts_J)
     valid_JC = jnp.arange(capacity) < recv_counts_J[:, None]  # ragged leaves the rest stale
     recv_e_JCU = jnp.where(valid_JC[..., None], recv_e_JCU, -1)
 
-    y_RD, sizes_E = compute_local_experts(
-        recv_x_JCD.reshape(rows, d), recv_e_JCU.reshape(rows, k), recv_w_JCU.reshape(rows, k),
-        w_gate_EDF, w_up_EDF, w_down_EFD, impl=kernels.grouped_matmul_impl(cfg))
+    with jax.named_scope("expert_matmuls"):  # profiles (benchmarks/profile_breakdown.py)
+        y_RD, sizes_E = compute_local_experts(
+            recv_x_JCD.reshape(rows, d), recv_e_JCU.reshape(rows, k),
+            recv_w_JCU.reshape(rows, k), w_gate_EDF, w_up_EDF, w_down_EFD,
+            impl=kernels.grouped_matmul_impl(cfg))
     back_JCD = comm.exchange(y_RD.astype(wire).reshape(ep, capacity, d), recv_counts_J,
                              send_counts_J)
     back_TJD = back_JCD.reshape(rows, d).at[index_TJ].get(mode="fill", fill_value=0)
