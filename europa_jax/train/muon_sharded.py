@@ -90,8 +90,10 @@ def orthogonalize_spread(x: jax.Array, dims: MuonDimensionNumbers, spec: P, mesh
     for j in range(len(moved) + 1):
         x_spread = moved_first(x_spread, j)
     matrices = constrain(x_spread.reshape(-1, m, k), spread_entry, None, None)
-    ortho = _muon.orthogonalize_via_newton_schulz(
-        matrices, ns_coeffs, ns_steps, "frobenius", eps, MuonDimensionNumbers(1, 2))
+    ortho = _orthogonalize_real(matrices, mesh, batch_mesh + tuple(
+        a for d in moved for a in entry_axes(entries[d])), math.prod(r_each), q, n // s,
+        lambda y: _muon.orthogonalize_via_newton_schulz(
+            y, ns_coeffs, ns_steps, "frobenius", eps, MuonDimensionNumbers(1, 2)))
     ortho = constrain(ortho, spread_entry, None, None)
     # and back: the inverse all-to-alls, drop the padding, undo the transpose
     ortho_spread = ortho.reshape(x_spread.shape)
@@ -102,6 +104,33 @@ def orthogonalize_spread(x: jax.Array, dims: MuonDimensionNumbers, spec: P, mesh
                               *[entries[a] for a in order])
     return constrain(ortho_ordered.transpose(tuple(order.index(a) for a in range(x.ndim))),
                      *entries)
+
+
+def _orthogonalize_real(matrices, mesh: Mesh, spread_axes: tuple[str, ...], r: int, q: int,
+                        real_per_row: int, newton_schulz) -> jax.Array:
+    """`newton_schulz` on each device's q matrices, skipped on the devices that hold only
+    zero padding (whose result is zero anyway).
+
+    Matrix i of the spread layout sits on device `i // q` counted over `spread_axes`
+    (batch mesh axes, then the moved ones), and within each of the s batch rows the first
+    `real_per_row` of its r·q matrices are real. When a leaf has fewer matrices than
+    devices (a dense layer's weights: one matrix per layer on 8, or 384, devices) most
+    devices hold padding: on a GPU they would idle anyway, but where devices share cores
+    (the CPU mesh) their Newton–Schulz on zeros would cost as much as the real ones.
+    """
+    if not spread_axes or real_per_row >= r * q:
+        return newton_schulz(matrices)  # no padding
+    entry = _spec_entry(spread_axes)
+
+    def local(x_QMK):
+        position = 0
+        for axis in spread_axes:  # this device's index over the spread axes, row-major
+            position = position * mesh.shape[axis] + jax.lax.axis_index(axis)
+        first = (position % r) * q  # its first matrix's place in its batch row
+        return jax.lax.cond(first < real_per_row, newton_schulz, jnp.zeros_like, x_QMK)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=P(entry, None, None),
+                         out_specs=P(entry, None, None), check_vma=False)(matrices)
 
 
 def scale_by_muon(*, ns_steps: int, beta: float, eps: float, dims_fn: Callable[[Any], Any],
