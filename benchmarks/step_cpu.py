@@ -1,17 +1,34 @@
-"""Step time and MFU of `small-cpu` on the 8-device CPU mesh, against a matmul peak
-measured in the same run (these machines are noisy: compare ratios, not seconds).
+"""Step time, tokens/s and MFU of a config's train step on the CPU mesh, against a matmul
+peak measured in the same run; before/after against another revision; where time goes.
 
-    python benchmarks/step_cpu.py [--config configs/small-cpu.yaml] [--steps 5] [--json OUT]
+    python benchmarks/step_cpu.py [--config configs/small-cpu.yaml] [--dtypes float32,bfloat16]
+                                  [--steps 8] [--repeats 1] [--against REV]
+                                  [--profile DIR] [--json OUT]
 
-Runs the real train step with float32 and with bfloat16 compute, so the choice of
-`compute_dtype` for CPU configs rests on a measurement.
+Each measurement is `europa-jax train` in a process of its own (the real loop: batches,
+step, metrics), the median step over steps 4..N (step 1 compiles, 2–3 warm up), as
+`../shared/peers/maxtext_cpu.sh` measures MaxText. `--against REV` checks REV out into a
+temporary git worktree and measures it on the very same config file, alternating with
+this tree repetition by repetition, so both see the same machine load: these machines
+are noisy, only ratios measured in one run count. `--profile DIR` traces one step of this
+tree (jax.profiler, Perfetto) and prints where its device time goes, by part of the
+model (profile_breakdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_TIMED_STEP = 4
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -30,72 +47,154 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def time_steps(cfg, steps: int) -> tuple[float, float]:
-    """Median step seconds after compile, and the analytic FLOPs of one step."""
-    import jax
+def run_train(tree: Path, config: Path, dtype: str, steps: int,
+              overrides: tuple[str, ...] = ()) -> dict:
+    """One `europa-jax train` of `tree`'s code on `config`: its step times (after the
+    compile and warm-up steps), median, and the run's final loss."""
+    with tempfile.TemporaryDirectory(prefix="step_cpu-") as run_dir:
+        env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
+        command = [sys.executable, "-m", "europa_jax.cli", "train", str(config), "--quiet",
+                   "--run-dir", run_dir, "--set", f"train.steps={steps}",
+                   "--set", f"model.compute_dtype={dtype}", "--set", "train.log_every=1",
+                   "--set", "train.eval_every=0", *(a for o in overrides for a in ("--set", o))]
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{tree}: train failed ({done.returncode}): "
+                               f"{done.stderr.strip().splitlines()[-1:]}")
+        records = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+    timed = [r["step_time_s"] for r in records if r["step"] >= FIRST_TIMED_STEP]
+    return {"step_time_s": statistics.median(timed), "step_times_s": timed,
+            "losses": [r["loss"] for r in records]}
 
+
+def model_flops_per_step(config: Path, steps: int) -> float:
+    """Analytic FLOPs of one step (6·N·tokens + attention pairs), averaged over the
+    batches the timed steps train on."""
+    from europa_jax.config_loader import load_config
     from europa_jax.model import flops
     from europa_jax.run import loop
-    from europa_jax.parallel import sharding
-    from europa_jax.train import train
 
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = train.build_trainer(cfg, mesh)
-    state = train.init_state(trainer, cfg.train.seed)
-    step_fn = train.jit_train_step(trainer)
-    batches = loop.device_batches(trainer, loop.host_batch_iterator(cfg))
-    times, step_flops = [], 0.0
-    with jax.set_mesh(mesh):
-        for i in range(steps + 1):
-            host_batch, batch = next(batches)
-            start = time.perf_counter()
-            state, metrics = step_fn(state, batch)
-            jax.block_until_ready(metrics)
-            if i:  # step 0 compiles
-                times.append(time.perf_counter() - start)
-            step_flops = flops.train_flops(cfg.model, host_batch["tokens"].size,
-                                           flops.causal_pairs(host_batch["segment_ids"]))
-    return sorted(times)[len(times) // 2], step_flops
+    cfg = load_config(str(config))
+    batches = loop.host_batch_iterator(cfg)
+    per_step = [flops.train_flops(cfg.model, b["tokens"].size, flops.causal_pairs(
+        b["segment_ids"])) for _, b in zip(range(steps), batches)]
+    return statistics.mean(per_step[FIRST_TIMED_STEP - 1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/small-cpu.yaml")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+def checkout(rev: str, into: Path) -> Path:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(into), rev],
+                   check=True, capture_output=True)
+    return into
 
+
+def profile(config: Path, dtype: str, out_dir: Path) -> dict[str, float]:
+    """Trace one step (after compile and warm-up) of this tree; seconds per category."""
     import dataclasses
 
     import jax
 
     from europa_jax.config_loader import load_config
+    from europa_jax.parallel import sharding
+    from europa_jax.run import loop
+    from europa_jax.train import train
+    from profile_breakdown import breakdown
 
-    cfg = load_config(args.config)
-    jax.config.update("jax_num_cpu_devices", cfg.mesh.n_devices)
+    cfg = load_config(str(config))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = train.build_trainer(cfg, mesh)
+    state = train.init_state(trainer, cfg.train.seed)
+    step = train.jit_train_step(trainer)
+    batches = loop.device_batches(trainer, loop.host_batch_iterator(cfg))
+    with jax.set_mesh(mesh):
+        for _ in range(FIRST_TIMED_STEP):
+            state, metrics = step(state, next(batches)[1])
+            jax.block_until_ready(metrics)
+        batch = next(batches)[1]
+        jax.profiler.start_trace(str(out_dir), create_perfetto_trace=True)
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        hlo = step.lower(state, batch).compile().as_text()
+    return breakdown(str(out_dir), hlo)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/small-cpu.yaml")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override, for every tree measured")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--against", metavar="REV", help="also measure this git revision")
+    parser.add_argument("--profile", metavar="DIR", help="trace a step of this tree into DIR")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    config = (ROOT / args.config).resolve()
+    dtypes = args.dtypes.split(",")
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
     peak = matmul_peak_flops()
-    results = {"config": args.config, "host_matmul_peak_gflops": peak / 1e9, "runs": []}
-    for dtype in ("float32", "bfloat16"):
-        run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                     compute_dtype=dtype))
-        step_s, step_flops = time_steps(run_cfg, args.steps)
-        tokens = cfg.data.global_batch_size * cfg.data.seq_len
-        results["runs"].append({"compute_dtype": dtype, "step_time_s": step_s,
-                                "tokens_per_s": tokens / step_s,
-                                "model_gflops_per_step": step_flops / 1e9,
-                                "mfu_vs_host_matmul_peak": step_flops / step_s / peak})
-    f32, bf16 = results["runs"]
-    results["bf16_over_f32_step_time"] = bf16["step_time_s"] / f32["step_time_s"]
+    step_flops = model_flops_per_step(config, args.steps)
+    tokens = _tokens(config)
+    results = {"config": args.config, "host_matmul_peak_gflops": peak / 1e9,
+               "model_gflops_per_step": step_flops / 1e9, "steps": args.steps, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="step_cpu-rev-") as scratch:
+        trees = {"this tree": ROOT}
+        if args.against:
+            trees = {args.against: checkout(args.against, Path(scratch) / "rev"), **trees}
+        try:
+            for dtype in dtypes:
+                for repeat in range(args.repeats):
+                    for name, tree in trees.items():  # alternating: the same load for both
+                        run = run_train(tree, config, dtype, args.steps, tuple(args.set))
+                        run.update(tree=name, compute_dtype=dtype, repeat=repeat,
+                                   tokens_per_s=tokens / run["step_time_s"],
+                                   mfu_vs_host_matmul_peak=step_flops / run["step_time_s"] / peak)
+                        results["runs"].append(run)
+                        print(f"{name:>12} {dtype:>9} step {run['step_time_s']:.3f} s", flush=True)
+        finally:
+            if args.against:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(Path(scratch) / "rev")], capture_output=True)
+    summary = {}
+    for dtype in dtypes:
+        for name in trees:
+            times = [r["step_time_s"] for r in results["runs"]
+                     if r["tree"] == name and r["compute_dtype"] == dtype]
+            summary[f"{name} {dtype}"] = statistics.median(times)
+        if args.against:
+            summary[f"speedup {dtype}"] = (summary[f"{args.against} {dtype}"]
+                                           / summary[f"this tree {dtype}"])
+    results["median_step_time_s"] = summary
+    if args.profile:
+        seconds = profile(config, dtypes[0], Path(args.profile))
+        total = sum(seconds.values())
+        results["profile_device_seconds"] = seconds
+        print(f"\nwhere one step's device time goes ({dtypes[0]}, {total:.1f} s over "
+              "all devices):")
+        for name, value in seconds.items():
+            print(f"  {name:42s} {value:7.2f} s {value / total:6.1%}")
+    print(f"\nhost float32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model: "
+          f"{step_flops / 1e9:.2f} GFLOP/step")
+    for key, value in summary.items():
+        unit = "×" if key.startswith("speedup") else " s/step"
+        print(f"  {key:32s} {value:.3f}{unit}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(f"host float32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'compute':>10} {'step s':>8} {'tokens/s':>9} {'GFLOP/step':>11} {'MFU':>7}")
-    for r in results["runs"]:
-        print(f"{r['compute_dtype']:>10} {r['step_time_s']:8.3f} {r['tokens_per_s']:9.0f} "
-              f"{r['model_gflops_per_step']:11.2f} {r['mfu_vs_host_matmul_peak']:7.1%}")
-    print(f"bf16 / f32 step time: {results['bf16_over_f32_step_time']:.2f}")
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _tokens(config: Path) -> int:
+    from europa_jax.config_loader import load_config
+
+    cfg = load_config(str(config))
+    return cfg.data.global_batch_size * cfg.data.seq_len
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
     main()
