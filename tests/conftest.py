@@ -1,17 +1,39 @@
-"""Every test runs on 8 CPU devices (set before jax creates its backends)."""
+"""Every test runs on 8 CPU devices (set before jax creates its backends), and the whole
+session shares one jax compilation cache.
+
+Many tests compile the same tiny train step (in-process and in the `europa-jax` processes
+they start); after the first, XLA's executable is read back from the cache instead of
+compiled again. The cache lives in a fresh directory for each session — every xdist
+worker and every subprocess gets it through the environment — and is removed at the end,
+so nothing carries over between runs.
+"""
 
 import dataclasses
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Made by the first process of the run; xdist's workers (started later) inherit it.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="europa-jax-test-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402
 
 from europa_jax.config_loader import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionfinish(session):
+    """The run's cache goes with it (a cache set from outside is left alone)."""
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def config_path(name: str) -> str:
