@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from europa_jax.config import ConfigError, MeshConfig, OptimConfig
 from europa_jax.model import kernels
 from europa_jax.model.attention import (MLAttention, attention_mask, blockwise_attention,
-                                        library_attention, logit_scale)
+                                        library_attention)
 from europa_jax.model.layers import rope_tables
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import sharding
@@ -142,7 +142,7 @@ def test_clipped_heads_reach_tau_exactly_and_the_others_stay_bit_identical(unrol
     np.testing.assert_allclose(after_LH[over_LH], tau, rtol=1e-5)
     np.testing.assert_array_equal(after_LH[~over_LH], before_LH[~over_LH])
 
-    n, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    n = cfg.qk_nope_head_dim
     for key, layer in qk_clip.layer_stacks(cfg):
         old, new = params[key]["attention"], clipped[key]["attention"]
         np.testing.assert_array_equal(new["w_kv_a"], old["w_kv_a"])  # the shared RoPE key
