@@ -136,14 +136,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_processes(n, *, node_of=lambda i: "n", driver=MESH_DRIVER):
+def start_processes(n, *, node_of=lambda i: "n", driver=MESH_DRIVER, extra_env=None):
     port = free_port()
     procs = []
     for i in range(n):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                     distributed.ENV_NUM_PROCESSES: str(n), distributed.ENV_PROCESS_ID: str(i),
-                    "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "SLURMD_NODENAME": node_of(i)})
+                    "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "SLURMD_NODENAME": node_of(i),
+                    **(extra_env or {})})
         procs.append(subprocess.Popen([sys.executable, "-c", driver], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -197,8 +198,13 @@ def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
 
 
 @pytest.mark.slow
-def test_when_a_peer_dies_the_survivor_exits_at_once_not_after_the_heartbeat():
-    procs = start_processes(2, driver=COLLECTIVE_LOOP)
+def test_when_a_peer_dies_the_survivor_exits_at_its_next_collective_or_the_heartbeat():
+    # Which comes first is gloo's: mostly the survivor's next collective fails at once,
+    # sometimes its device threads stay in a gloo receive (3 of 18 local tries) and the
+    # coordination service ends it when the heartbeat lapses. Either way it exits on its own,
+    # non-zero, within the heartbeat set for the job (not the 300 s shutdown barrier).
+    procs = start_processes(2, driver=COLLECTIVE_LOOP,
+                            extra_env={distributed.ENV_HEARTBEAT_TIMEOUT: "15"})
     for line in procs[1].stderr:  # until both have run a collective
         if line.startswith("collectives up"):
             break
@@ -206,7 +212,8 @@ def test_when_a_peer_dies_the_survivor_exits_at_once_not_after_the_heartbeat():
     killed = time.time()
     _, err = procs[0].communicate(timeout=120)
     procs[1].wait()
-    # Not the 100 s heartbeat, not the 300 s shutdown barrier: the failed collective.
-    assert time.time() - killed < 30, err[-3000:]
-    assert procs[0].returncode == 1
-    assert "Gloo" in err and "Traceback" in err
+    assert time.time() - killed < 15 + 20, err[-3000:]
+    assert procs[0].returncode != 0
+    failed_collective = "Gloo" in err and "Traceback" in err
+    heartbeat_lapsed = "The following tasks are unhealthy (stopped sending heartbeats):\n1" in err
+    assert failed_collective or heartbeat_lapsed, err[-3000:]
