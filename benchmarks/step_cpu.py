@@ -7,7 +7,7 @@ peak measured in the same run; before/after against another revision; where time
 
 Each measurement is `europa-jax train` in a process of its own (the real loop: batches,
 step, metrics), the median step over steps 4..N (step 1 compiles, 2–3 warm up), as
-`../shared/peers/maxtext_cpu.sh` measures MaxText. `--against REV` checks REV out into a
+`benchmarks/maxtext_cpu.sh` measures MaxText. `--against REV` checks REV out into a
 temporary git worktree and measures it on the very same config file, alternating with
 this tree repetition by repetition, so both see the same machine load: these machines
 are noisy, only ratios measured in one run count. `--profile DIR` traces one step of this
