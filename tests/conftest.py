@@ -6,6 +6,13 @@ they start); after the first, XLA's executable is read back from the cache inste
 compiled again. The cache lives in a fresh directory for each session — every xdist
 worker and every subprocess gets it through the environment — and is removed at the end,
 so nothing carries over between runs.
+
+XLA:CPU's LLVM backend runs at -O0 in the test session (and in every process a test
+starts): the tests check what the programs compute, not how fast they run, and LLVM's
+optimization of the CPU kernels is a large share of compiling a tiny step, which the suite
+does hundreds of times (about a sixth of the suite's wall time). Results differ from -O2
+only in rounding. A level already in XLA_FLAGS is kept:
+`XLA_FLAGS=--xla_backend_optimization_level=2 pytest` tests the optimized kernels.
 """
 
 import dataclasses
@@ -13,8 +20,15 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith(DEVICE_COUNT_FLAG)]  # xdist workers inherit the controller's
+if not any(f.startswith(OPT_LEVEL_FLAG) for f in _flags):
+    _flags.append(f"{OPT_LEVEL_FLAG}=0")
+# For processes that size their own CPU devices (the CLI, multi-process drivers).
+PROCESS_XLA_FLAGS = " ".join(_flags)
+os.environ["XLA_FLAGS"] = f"{PROCESS_XLA_FLAGS} {DEVICE_COUNT_FLAG}=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Made by the first process of the run; xdist's workers (started later) inherit it.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
@@ -34,6 +48,14 @@ def pytest_sessionfinish(session):
     """The run's cache goes with it (a cache set from outside is left alone)."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def process_env(*without: str) -> dict:
+    """This session's environment for a process that sizes its own CPU devices: XLA_FLAGS
+    without the 8-device flag (the optimization level stays); `without` drops more keys."""
+    env = {k: v for k, v in os.environ.items() if k not in without}
+    env["XLA_FLAGS"] = PROCESS_XLA_FLAGS
+    return env
 
 
 def config_path(name: str) -> str:

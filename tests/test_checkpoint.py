@@ -20,7 +20,7 @@ from europa_jax.config import MeshConfig
 from europa_jax.parallel import sharding
 from europa_jax.run import checkpoint, exit_codes, loop
 from europa_jax.train import train
-from conftest import REPO, config_path
+from conftest import REPO, config_path, process_env
 
 # Small enough that one compile is ~20 s on 2 cores; the compilation cache makes reruns ~5 s.
 TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
@@ -31,9 +31,8 @@ TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
 
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory):
-    env = dict(os.environ)
+    env = process_env()  # the CLI sizes the CPU device count from the config
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    env.pop("XLA_FLAGS", None)  # the CLI sizes the CPU device count from the config
     return env
 
 

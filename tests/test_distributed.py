@@ -1,7 +1,6 @@
 """Multi-process start: launcher detection, device split, node-pinned mesh across processes."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, config_path
+from conftest import REPO, config_path, process_env
 from europa_jax.config import check_device_count, ConfigError, MeshConfig
 from europa_jax.run import distributed
 
@@ -140,7 +139,7 @@ def start_processes(n, *, node_of=lambda i: "n", driver=MESH_DRIVER, extra_env=N
     port = free_port()
     procs = []
     for i in range(n):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = process_env()
         env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                     distributed.ENV_NUM_PROCESSES: str(n), distributed.ENV_PROCESS_ID: str(i),
                     "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "SLURMD_NODENAME": node_of(i),
@@ -167,7 +166,7 @@ def test_four_processes_of_two_devices_group_expert_rows_by_node():
 
 @pytest.mark.slow
 def test_a_missing_process_ends_the_others_within_the_timeout():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = process_env()
     env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{free_port()}",
                 distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: "0",
                 distributed.ENV_INIT_TIMEOUT: "5", "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
@@ -184,7 +183,7 @@ def test_a_missing_process_ends_the_others_within_the_timeout():
 
 def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
     # Without SLURM_STEP_NODELIST jax finds no coordinator: say so, do not hang or crash.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = process_env()
     env.update({**SLURM_TASK, "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                 "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "",
                 "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from europa_jax.interop import hf_import, hf_layout
-from conftest import REPO, config_path
+from conftest import REPO, config_path, process_env
 from test_export import TRAIN, cli, exported_fp32, saved_state, trained  # noqa: F401 (fixtures)
 
 RNG = np.random.default_rng(0)
@@ -80,7 +80,7 @@ def test_two_processes_import_bitwise_like_one(exported_fp32, tmp_path):  # noqa
     whole = json.loads(done.stdout.splitlines()[-1])
 
     two = tmp_path / "two"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = process_env()
     env.update(EUROPA_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=REPO,
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     done = subprocess.run([os.path.join(REPO, "launch", "local.sh"), "2", "import",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, config_path
+from conftest import REPO, config_path, process_env
 
 LOCAL_SH = os.path.join(REPO, "launch", "local.sh")
 # A stand-in for `europa-jax`: the launcher's own behaviour, in a second.
@@ -28,7 +28,7 @@ time.sleep(300)
 
 
 def launch(tmp_path, n, *args, env=None, stand_in=True):
-    run_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run_env = process_env()
     run_env.update(EUROPA_LOG_DIR=str(tmp_path / "logs"), PYTHONPATH=REPO,
                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {}))
     if stand_in:

@@ -295,7 +295,9 @@ def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
     print(f"max logit per step, τ={tau}: unclipped {np.round(unclipped, 1).tolist()}, "
           f"clipped {np.round(clipped, 1).tolist()}, heads clipped {counts}")
     assert 0 < first < 8 and unclipped[-1] > 8 * tau  # it diverges
-    np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=1e-5)
+    # Two programs (the clip is compiled into one), so rounding may differ; a clip before τ
+    # would move the logit by orders of magnitude more.
+    np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=1e-4)
     assert counts[first] > 0 and sum(counts[:first]) == 0  # the clip starts at τ
     assert clipped[first + 1:].max() < 4 * tau and clipped[-1] < unclipped[-1] / 3
     for run in runs.values():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import REPO
+from conftest import REPO, process_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -61,8 +61,7 @@ def job_env():
     # Not conftest's 8 devices per process, and no persistent compilation cache: only
     # process 0 writes it and the ranks' keys differ, so a warm cache would start rank 0
     # a compile ahead of rank 1, past gloo's 30 s rendezvous.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = process_env("JAX_COMPILATION_CACHE_DIR")
     env.update(EUROPA_VENV=sys.prefix, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     return env
 
