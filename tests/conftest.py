@@ -44,6 +44,21 @@ from europa_jax.config_loader import load_config  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The files that take 40 s or more on 2 cores (multi-process runs, whole-model and GPU-target
+# compiles), longest first. xdist hands out whole files (`--dist loadfile`, in collection
+# order with `--no-loadscope-reorder`), so starting these first lets the two workers finish
+# together instead of one running a slow file alone at the end. Order only: every test runs.
+LONGEST_FILES = ("test_checkpoint.py", "test_gpu_target.py", "test_qk_clip.py", "test_train.py",
+                 "test_slurm.py", "test_plan.py", "test_sample.py", "test_watch.py",
+                 "test_launch_local.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first; within a file, and among the others, the order stays."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_sessionfinish(session):
     """The run's cache goes with it (a cache set from outside is left alone)."""
     if _OWN_CACHE:

@@ -283,7 +283,7 @@ def test_the_step_reports_the_max_logits_per_layer(unstable):
 
 
 def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
-    """Without the clip the max logit passes τ after a few steps and grows to ~10τ; with
+    """Without the clip the max logit passes τ after a few steps and grows to 7-10τ; with
     it, it stays within a few τ, bounded. Not under τ at every step: as in Kimi K2 the clip
     uses the max measured in the step's forward, and the update of that same step (here
     absurdly large) can raise a head's logits again before the next forward measures it."""
@@ -294,12 +294,16 @@ def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
     first = int(np.argmax(unclipped > tau))
     print(f"max logit per step, τ={tau}: unclipped {np.round(unclipped, 1).tolist()}, "
           f"clipped {np.round(clipped, 1).tolist()}, heads clipped {counts}")
-    assert 0 < first < 8 and unclipped[-1] > 8 * tau  # it diverges
-    # Two programs (the clip is compiled into one), so rounding may differ; a clip before τ
-    # would move the logit by orders of magnitude more.
+    # Past the first clip the trajectories are chaotic at this learning rate: XLA:CPU's
+    # -O0, -O2 and -O3 kernels round differently and the runs part (unclipped maxima
+    # 6.7-9.6τ, clipped medians 1.9-2.1τ and maxima 2.6-3.9τ across those levels), so the
+    # bounds are on the run's median and peak, with room for that spread.
+    assert 0 < first < 8 and unclipped.max() > 6 * tau  # it diverges
     np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=1e-4)
     assert counts[first] > 0 and sum(counts[:first]) == 0  # the clip starts at τ
-    assert clipped[first + 1:].max() < 4 * tau and clipped[-1] < unclipped[-1] / 3
+    after_clip, unclipped_after = clipped[first + 1:], unclipped[first + 1:]
+    assert np.median(after_clip) < min(2.5 * tau, np.median(unclipped_after) / 2)
+    assert after_clip.max() < 5 * tau  # bounded
     for run in runs.values():
         assert all(bool(m["finite"]) and np.isfinite(float(m["loss"])) for m in run["metrics"])
 
