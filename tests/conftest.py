@@ -10,9 +10,9 @@ so nothing carries over between runs.
 XLA:CPU's LLVM backend runs at -O0 in the test session (and in every process a test
 starts): the tests check what the programs compute, not how fast they run, and LLVM's
 optimization of the CPU kernels is a large share of compiling a tiny step, which the suite
-does hundreds of times (about a sixth of the suite's wall time). Results differ from -O2
-only in rounding. A level already in XLA_FLAGS is kept:
-`XLA_FLAGS=--xla_backend_optimization_level=2 pytest` tests the optimized kernels.
+does hundreds of times (about a sixth of the suite's wall time). Results differ from the
+optimized levels only in rounding. A level already in XLA_FLAGS is kept:
+`XLA_FLAGS=--xla_backend_optimization_level=3 pytest` tests the optimized kernels.
 """
 
 import dataclasses

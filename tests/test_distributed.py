@@ -199,7 +199,7 @@ def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
 @pytest.mark.slow
 def test_when_a_peer_dies_the_survivor_exits_at_its_next_collective_or_the_heartbeat():
     # Which comes first is gloo's: mostly the survivor's next collective fails at once,
-    # sometimes its device threads stay in a gloo receive (3 of 18 local tries) and the
+    # sometimes its device threads stay in a gloo receive (7 of 40 local tries) and the
     # coordination service ends it when the heartbeat lapses. Either way it exits on its own,
     # non-zero, within the heartbeat set for the job (not the 300 s shutdown barrier).
     procs = start_processes(2, driver=COLLECTIVE_LOOP,
