@@ -14,7 +14,13 @@ this GPU's experts under even routing:
 3. attention alone, forward+backward, one causal document, q/k 192 and v 128 wide: the
    model's kernel (tokamax's Mosaic GPU flash attention) against the pure-JAX blockwise
    kernel the CPU runs;
-4. copies to and from `pinned_host` memory: the offload path (NVLink-C2C on a GH200).
+4. copies to and from `pinned_host` memory: the offload path (NVLink-C2C on a GH200);
+5. the regime the shipped step runs in (gpu_regimes.py): the routed experts on the rows
+   an expert-parallel-4 device receives, forward+backward, with matmul and other kernel
+   time apart (jax.profiler); the grouped matmul's forward, dgrad and wgrad on a
+   131,072-row buffer with 32,768 rows filled over 96 groups, and on one expert window;
+   attention on one 65,536-token document against 64 of 1,024; a 65,536 × 7,168 × 1,536
+   `dot_general` in fp8 against bf16; GPU clocks and power while they ran.
 Each part reports its own error instead of stopping the others (e.g. out of memory).
 
 Before any of that, where no GPU is present, every function above is compiled for one
@@ -47,9 +53,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_programs
+import gpu_regimes  # noqa: E402
 from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_kernel,  # noqa: E402
-                          attention_reference, builders, check_config, inputs, layer_flops,
+                          attention_reference, check_config, inputs, layer_flops,
                           one_device_mesh)
+from gpu_programs import builders as layer_builders  # noqa: E402
+
+
+def builders(cfg, tokens: int, smoke: bool) -> dict:
+    """Every check's programs (gpu_programs.py, gpu_regimes.py), for a mesh."""
+    return {**layer_builders(cfg, tokens, smoke), **gpu_regimes.builders(cfg, tokens, smoke)}
 
 # Dense bf16 peaks by device kind (hardware.py cites the Hopper figure).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
@@ -272,7 +285,8 @@ def table(results: dict) -> str:
               f"{kernels.get('reference', 'reference')}"),
              ("device→pinned_host GB/s", get("offload", "device_to_host_gbps"), ""),
              ("pinned_host→device GB/s", get("offload", "host_to_device_gbps"), "")]
-    errors = errors_of({k: v for k, v in results.items() if k != "aot"})
+    rows += gpu_regimes.table_rows(results, get)
+    errors = errors_of({k: v for k, v in results.items() if k not in ("aot", "clocks")})
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"{name:<{width}}  {value:>10}  {note}" for name, value, note in rows]
                      + errors)
@@ -372,6 +386,16 @@ def main() -> None:
                                                           tokens, mesh, args.repeats, smoke))
     section(results, "offload", lambda: check_offload(build["offload"](mesh),
                                                       OFFLOAD_BYTES[smoke], mesh, args.repeats))
+    with gpu_regimes.Clocks() as clocks:
+        section(results, "moe_received", lambda: gpu_regimes.check_moe_received(
+            build["moe_received"](mesh), model, tokens, mesh, args.repeats))
+        section(results, "grouped_regime", lambda: gpu_regimes.check_grouped_regime(
+            build["grouped_regime"](mesh), model, tokens, mesh, args.repeats))
+        section(results, "documents", lambda: gpu_regimes.check_documents(
+            build["documents"](mesh), model, tokens, mesh, args.repeats))
+        section(results, "fp8_dot", lambda: gpu_regimes.check_fp8(
+            build["fp8_dot"](mesh), tokens, smoke, mesh, args.repeats))
+    results["clocks"] = clocks.summary() if gpu else {"error": "no GPU"}
     results["seconds"] = time.perf_counter() - start
     write()
     if smoke:

@@ -89,6 +89,10 @@ class ModelConfig:
     # path, which builds a [S, S] mask: tests only).
     attention: Literal["auto", "dense", "blockwise", "tokamax", "tokamax_triton",
                        "tokamax_xla"] = "auto"
+    # tokamax's flash attention backward (GPU) runs on pairs of chunks of this many
+    # positions and skips the pairs no query can see (model/flash_backward.py): short
+    # documents cost their own length, not the row's. 0 = tokamax's own backward.
+    attention_backward_chunk: int = 8192
     # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
     # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
     loss_chunk_tokens: int = 4096
@@ -96,9 +100,17 @@ class ModelConfig:
     # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
     grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
                             "ragged_dot"] = "auto"
-    # null = dropless (exchange buffers sized for the worst case). A float bounds rows per
-    # peer to ceil(factor · T·K / ep); rows past it are dropped (moe_dropped_fraction).
+    # null = dropless. A float bounds rows per peer to ceil(factor · T·K / ep); rows past
+    # it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None
+    # Dropless buffers are sized at this multiple of their expected fill under uniform
+    # routing (model/moe.py): rows per peer of the exchange, copies per expert window.
+    # What does not fit goes in an overflow round (exchange) or window (experts): exact.
+    moe_buffer_factor: float = 1.25
+    # Library grouped matmuls visit the local experts this many at a time, each group's
+    # copies in windows (model/expert_windows.py); 0 = the fewest groups whose window is
+    # at most 65,536 copies. Must divide the local experts.
+    moe_expert_groups: int = 0
     # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless
     # buffers are sized by the chunk (ep·chunk·K rows), not by the whole 65,536-token row.
     moe_chunk_tokens: int = 0
@@ -116,6 +128,9 @@ class ModelConfig:
                               f"model.n_layers={self.n_layers}]")
         if self.moe_chunk_tokens < 0:
             raise ConfigError(f"model.moe_chunk_tokens: {self.moe_chunk_tokens} must be >= 0")
+        if self.attention_backward_chunk < 0:
+            raise ConfigError(f"model.attention_backward_chunk: {self.attention_backward_chunk} "
+                              "must be >= 0 (0: tokamax's own backward)")
         if self.loss_chunk_tokens < 0:
             raise ConfigError(f"model.loss_chunk_tokens: {self.loss_chunk_tokens} must be >= 0")
         if self.n_shared_experts < 0:
@@ -135,6 +150,11 @@ class ModelConfig:
         if self.n_group > 1 and experts_per_group < 2:
             raise ConfigError(f"model.n_group: {self.n_group} leaves {experts_per_group} expert per "
                               "group; group scores sum each group's top-2 experts")
+        if self.moe_buffer_factor <= 0:
+            raise ConfigError(f"model.moe_buffer_factor: {self.moe_buffer_factor} must be "
+                              "positive")
+        if self.moe_expert_groups < 0:
+            raise ConfigError(f"model.moe_expert_groups: {self.moe_expert_groups} must be >= 0")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"model.moe_capacity_factor: {self.moe_capacity_factor} must be "
                               "positive or null (dropless)")
@@ -390,6 +410,11 @@ class Config:
         if 0 < m.moe_chunk_tokens < data.seq_len and data.seq_len % m.moe_chunk_tokens:
             raise ConfigError(f"model.moe_chunk_tokens: {m.moe_chunk_tokens} does not divide "
                               f"data.seq_len={data.seq_len} (0 = all tokens at once)")
+        local_experts = m.n_routed_experts // mesh.expert
+        if m.moe_expert_groups and local_experts % m.moe_expert_groups:
+            raise ConfigError(f"model.moe_expert_groups: {m.moe_expert_groups} does not divide "
+                              f"the {local_experts} experts of each device "
+                              f"(n_routed_experts / mesh.expert)")
         if data.global_batch_size % mesh.n_devices:
             raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
                               f"by the mesh's {mesh.n_devices} devices (data×expert)")

@@ -89,8 +89,9 @@ def test_expert_weights_keep_their_expert_sharding(mesh):
 
 
 def moe_setup(tiny_cfg, **model_kw):
-    cfg = dataclasses.replace(tiny_cfg.model, compute_dtype="float32", grouped_matmul="blocked",
-                              n_routed_experts=16, top_k=4, **model_kw)
+    model_kw = {"grouped_matmul": "blocked", **model_kw}
+    cfg = dataclasses.replace(tiny_cfg.model, compute_dtype="float32", n_routed_experts=16,
+                              top_k=4, **model_kw)
     moe = MoE(cfg)
     x = jax.random.normal(jax.random.key(3), (8, 16, cfg.d_model))
     boxed = moe.init(jax.random.key(5), x, jnp.zeros(16))["params"]
@@ -145,6 +146,8 @@ def test_expert_parallel_moe_equals_dense_reference(ep_and_reference, routing):
     np.testing.assert_allclose(y, ref(params, x, bias), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
     counts = np.asarray(stats["expert_counts_E"])
+    if routing == "all_to_one_device":  # 16 rows per peer against 15 slots: a second round
+        assert int(stats["overflow_rounds"]) == 8
     if routing == "all_to_one_expert":
         assert counts[5] == 8 * 16
     if routing == "empty_experts":
@@ -165,6 +168,28 @@ def test_chunked_expert_parallel_moe_equals_dense_reference(tiny_cfg, mesh):
     y, stats = ep(params, x, bias)
     np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
+    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
+    g_ep = grad(lambda p: ep(p, x, bias)[0])
+    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
+    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["random", "all_to_one_device"])
+def test_bounded_buffers_with_overflow_rounds_equal_dense_reference(tiny_cfg, mesh, routing):
+    """Exchange rounds of a quarter of the expected rows (so most dispatches need more
+    rounds, each a `lax.cond` the expert group agrees on) and expert windows so small that
+    they overflow, through the library path (`ragged_dot` here): the dense reference's
+    outputs and gradients, dropless, and the overflow counted."""
+    cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=1, topk_group=1,
+                                           grouped_matmul="ragged_dot", moe_buffer_factor=0.3,
+                                           moe_expert_groups=2)
+    bias = ROUTINGS[routing](16)
+    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh, moe.cfg))
+    y, stats = ep(params, x, bias)
+    np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
+    assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
+    assert int(stats["overflow_rounds"]) > 0 and int(stats["dispatches"]) == 8
     grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
     g_ep = grad(lambda p: ep(p, x, bias)[0])
     g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))

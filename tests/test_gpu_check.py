@@ -50,8 +50,19 @@ def test_gpu_check_smoke_run_writes_every_measurement(smoke_run):
     assert attention["model"]["vs_reference"] > 0
     assert report["offload"]["memory_kind"] == "pinned_host"
     assert report["offload"]["host_to_device_gbps"] > 0
-    assert "error" not in json.dumps(report)  # the compile for the GPU target included
-    assert stdout.strip().splitlines()[-1].startswith("pinned_host→device GB/s")
+    received = report["moe_received"]
+    assert received["tflops"] > 0 and 0 < received["filled_rows"] <= received["rows"]
+    assert received["copies"] == 256 * 4 and "matmul_s" in received["profile"]
+    for name in ("buffer", "window"):
+        part = report["grouped_regime"][name]
+        assert part["filled"] < part["rows"]
+        assert all(part[kind]["tflops_filled"] > 0 for kind in ("fwd", "dgrad", "wgrad"))
+    assert report["documents"]["64_over_one"] > 0
+    assert report["fp8_dot"]["fp8_over_bf16"] > 0
+    assert report["clocks"] == {"error": "no GPU"}
+    # nothing failed but the GPU clocks, which a CPU run has not (the GPU compile included)
+    assert "error" not in json.dumps({k: v for k, v in report.items() if k != "clocks"})
+    assert stdout.strip().splitlines()[-1].startswith("SM clock MHz")
 
 
 def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
@@ -64,7 +75,10 @@ def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
     assert {check: set(programs) for check, programs in checks.items()} == {
         "layer": {"fwd+bwd"}, "grouped_matmul": {"dense_matmul", "lax.ragged_dot"} | tokamax,
         "attention": {"model", "reference"},
-        "offload": {"device_to_host", "host_to_device"}}
+        "offload": {"device_to_host", "host_to_device"}, "moe_received": {"fwd+bwd"},
+        "grouped_regime": {f"{name}/{kind}" for name in ("buffer", "window")
+                           for kind in ("fwd", "dgrad", "wgrad")},
+        "documents": {"one_document", "64_documents"}, "fp8_dot": {"bf16", "fp8_e4m3"}}
     for check, programs in checks.items():
         for name, compiled in programs.items():
             assert compiled["compiled"] is True and compiled["hbm_bytes"] > 0, (check, name)
@@ -95,3 +109,29 @@ def test_without_the_gpu_extra_the_compile_is_recorded_as_skipped(monkeypatch):
     assert aot == {"target": "gh200", "skipped": "the gpu extra is missing: jax-cuda12-plugin "
                    "(pip install -e '.[gpu]')"}
     assert "jax-cuda12-plugin" in gpu_check.aot_table(aot)
+
+
+def test_the_profile_split_reads_device_kernels_of_a_trace(tmp_path):
+    """gpu_regimes.kernel_time_split on a trace written as jax.profiler writes one: only
+    the GPU's tracks count; matmul kernels (cuBLAS, CUTLASS, tokamax's) apart from the rest."""
+    import gzip
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import gpu_regimes
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_bf16bf16", "dur": 3000},
+              {"ph": "X", "pid": 1, "name": "ragged_dot_kernel", "dur": 1000},
+              {"ph": "X", "pid": 1, "name": "loop_select_fusion", "dur": 500},
+              {"ph": "X", "pid": 1, "name": "input_scatter_fusion", "dur": 500},
+              {"ph": "X", "pid": 2, "name": "loop_select_fusion", "dur": 9000}]  # host: not
+    path = tmp_path / "plugins" / "profile" / "run"
+    path.mkdir(parents=True)
+    with gzip.open(path / "host.trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    split = gpu_regimes.kernel_time_split(str(tmp_path))
+    assert split["matmul_s"] == pytest.approx(4e-3) and split["other_s"] == pytest.approx(1e-3)
+    assert split["other_fraction"] == pytest.approx(0.2)
+    assert {name for name, _ in split["longest_other"]} == {"loop_select_fusion",
+                                                            "input_scatter_fusion"}

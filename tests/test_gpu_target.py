@@ -18,7 +18,7 @@ from europa_jax import cli
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
 from europa_jax.parallel import offload, sharding
-from europa_jax.plan import gpu_program, gpu_target, hlo_report
+from europa_jax.plan import gpu_program, gpu_target, hbm_traffic, hlo_report
 from europa_jax.train import train
 from conftest import REPO, config_path
 
@@ -152,6 +152,89 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
     assert facts["dense_attention_buffers"] == []
     checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, gpu_step["numbers"], facts, 0, [])}
     assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
+
+
+def optimized_text(cfg) -> str:
+    """The optimized GPU program of cfg's train step (as gpu_program.measure compiles it)."""
+    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
+    trainer = train.build_trainer(cfg, mesh)
+    with gpu_target.lowering(mesh):
+        lowered = train.jit_train_step(trainer).trace(trainer.abstract_state,
+                                                      train.abstract_batch(trainer)).lower()
+        return gpu_target.compile_lowered(lowered, mesh).as_text()
+
+
+def long_rows(tiny_cfg, **model):
+    """384 positions in 128-position backward chunks: three chunk pairs per key chunk at
+    most, so the pairwise loop is in the program."""
+    cfg = without_offload(gpu_cfg(tiny_cfg, attention_backward_chunk=128, **model))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=384))
+
+
+@pytest.fixture(scope="module")
+def long_text(tiny_cfg):
+    return optimized_text(long_rows(tiny_cfg))
+
+
+def flash_vjp_calls(text: str):
+    """(instruction line, is it in a loop with a data trip count) of every tokamax Mosaic
+    flash-attention VJP kernel call."""
+    comps, _ = hlo_report._computations(text)
+    dynamic_bodies = set()
+    for lines in comps.values():
+        for line in lines:
+            loop = re.search(r" while\(.*body=([\w.\-]+)", line)
+            if loop and "known_trip_count" not in line:
+                dynamic_bodies.add(loop.group(1))
+    return [(line, name in dynamic_bodies) for name, lines in comps.items() for line in lines
+            if "custom-call(" in line and "FlashAttentionVjp" in line]
+
+
+@needs_toolchain
+def test_the_attention_backward_runs_chunk_pairs_with_the_document_bounds(long_text):
+    """Each pair's backward kernel gets its queries' key starts (the document bounds) as
+    an int32 operand the width of a chunk; the off-diagonal pairs run inside a loop whose
+    trip count is data (the pairs another document makes invisible never run)."""
+    calls = flash_vjp_calls(long_text)
+    assert calls and any(dynamic for _, dynamic in calls), [c[0][:200] for c in calls]
+    for line, _ in calls:
+        operands = line.split("custom-call(", 1)[1]
+        shapes = re.findall(r"s32\[([0-9,]*)\]", line.split("=", 1)[1].split("custom-call(")[0]
+                            + operands)
+        assert any(dims.split(",")[-1] == "128" for dims in shapes), line[:300]
+
+
+@needs_toolchain
+def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
+        tiny_cfg, long_text):
+    """No kernel of the MoE layer touches a [ep · tokens · top_k, D] array (every row
+    choosing the same device's experts), and the expert matrices are rewritten (laid out,
+    dequantized, gradients cast) a bounded number of times per layer — which the same
+    program dispatched in 4 token chunks multiplies (the check can fail)."""
+    cfg = long_rows(tiny_cfg)
+    m, ep = cfg.model, cfg.mesh.expert
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+    worst = ep * tokens * m.top_k
+    matrix = {(m.d_model, m.expert_ffn_dim), (m.expert_ffn_dim, m.d_model)}
+    layer_weights = 3 * (m.n_routed_experts // ep) * m.d_model * m.expert_ffn_dim * 2  # bf16
+
+    def moe_kernels(text):
+        """(kernel, the dims of each array it writes) of the MoE layer's kernels."""
+        shape = hbm_traffic._Module(text).shape
+        return [(k, [[int(d) for d in dims.split(",") if d]
+                     for _, dims, _ in hbm_traffic._ARRAY.findall(shape[k.name])])
+                for k in hbm_traffic.kernels(text) if "/moe/" in k.op_name]
+
+    def weight_bytes(text):
+        return sum(k.bytes_per_step for k, arrays in moe_kernels(text) if not k.conditional
+                   and any(tuple(a[-2:]) in matrix for a in arrays if len(a) >= 2))
+
+    for k, arrays in moe_kernels(long_text):
+        assert not any(worst in a for a in arrays), k
+    once = weight_bytes(long_text) / m.n_moe_layers
+    assert once <= 12 * layer_weights, once / layer_weights
+    chunked = weight_bytes(optimized_text(long_rows(tiny_cfg, moe_chunk_tokens=96)))
+    assert chunked / m.n_moe_layers > 1.5 * once
 
 
 @needs_toolchain

@@ -10,7 +10,10 @@ import pytest
 
 from europa_jax.model import kernels
 from europa_jax.model.expert_matmul import compute_local_experts, grouped_swiglu
-from europa_jax.model.moe import dispatch_layout, MoE, route
+from europa_jax.model import moe_dispatch
+from europa_jax.model.moe import MoE, route
+from europa_jax.model.moe_dispatch import Layout
+from europa_jax.parallel.comm import ExpertAxis
 
 
 @pytest.fixture
@@ -114,21 +117,42 @@ def test_blocked_grouped_matmul_equals_ragged_dot(assignment):
         np.testing.assert_allclose(out[:90], ref[:90], rtol=1e-5, atol=1e-5)
 
 
-def test_dispatch_layout_sends_one_row_per_destination_device():
+def test_layout_sends_one_row_per_destination_device():
     # 8 experts on 2 devices (4 each). Token 0 → experts 1, 2 (both device 0): one row.
     experts = jnp.asarray([[1, 2], [1, 5], [6, 7]])
-    dest, kept, index = dispatch_layout(experts, ep=2, experts_per_device=4, capacity=3)
-    assert np.asarray(dest).tolist() == [[0, 0], [0, 1], [1, 1]]
-    assert np.asarray(kept).tolist() == [[True, False], [True, True], [False, True]]
-    # region j starts at j·capacity; rows fill it in token order; unsent → out of range (6)
-    assert np.asarray(index).tolist() == [[0, 6], [1, 3], [6, 4]]
+    lay = Layout(experts, 4, 0, 3, ExpertAxis(2))
+    assert np.asarray(lay.dest_TU).tolist() == [[0, 0], [0, 1], [1, 1]]
+    assert np.asarray(lay.kept_TJ).tolist() == [[True, False], [True, True], [False, True]]
+    # region j starts at j·capacity; rows fill it in token order; empty slots → token 3
+    assert np.asarray(lay.token_S).tolist() == [0, 1, 3, 1, 2, 3]
+    assert np.asarray(lay.send_counts_J).tolist() == [2, 2]
+    assert np.asarray(Layout.rows_per_peer(experts, 4, 2)).tolist() == [2, 2]
 
 
-def test_capacity_drops_rows_past_the_slot_limit():
+def test_rows_past_the_capacity_go_in_the_next_round():
     experts = jnp.asarray([[0], [0], [0], [1]])
-    _, kept, index = dispatch_layout(experts, ep=2, experts_per_device=1, capacity=2)
-    assert np.asarray(kept[:, 0]).tolist() == [True, True, False, False]
-    assert int(index[2, 0]) == 4  # dropped: out of range
+    lay = Layout(experts, 1, 0, 2, ExpertAxis(2))
+    assert np.asarray(lay.kept_TJ[:, 0]).tolist() == [True, True, False, False]
+    assert np.asarray(lay.token_S).tolist() == [0, 1, 3, 4]  # 4: empty
+    assert np.asarray(Layout.rows_per_peer(experts, 1, 2)).tolist() == [3, 1]
+    later = Layout(experts, 1, 2, 2, ExpertAxis(2))  # round 1: row numbers 2, 3
+    assert np.asarray(later.kept_TJ).tolist() == [[False, False], [False, False],
+                                                  [True, False], [False, False]]
+    assert np.asarray(later.token_S).tolist() == [2, 4, 4, 4]  # the third row opens it
+
+
+@pytest.mark.parametrize("n_group,topk_group,expected", [(1, 1, 4 * (1 - 495 / 1820)),
+                                                         (4, 2, 2.0), (4, 1, 1.0)])
+def test_exchange_capacity_from_the_expected_destinations(moe_cfg, n_group, topk_group,
+                                                          expected):
+    # 16 experts top-4 on 4 devices: uniform k-of-E, or whole-device groups
+    cfg = dataclasses.replace(moe_cfg, n_group=n_group, topk_group=topk_group)
+    assert moe_dispatch.expected_destinations(cfg, 4) == pytest.approx(expected)
+    capacity, drops = moe_dispatch.exchange_capacity(64, cfg, 4)
+    assert capacity == min(64, int(np.ceil(cfg.moe_buffer_factor * 64 * expected / 4)))
+    assert not drops and moe_dispatch.exchange_capacity(64, cfg, 1) == (64, False)
+    assert moe_dispatch.exchange_capacity(
+        64, dataclasses.replace(cfg, moe_capacity_factor=0.5), 4) == (32, True)
 
 
 def test_compute_local_experts_ignores_rows_without_local_experts():

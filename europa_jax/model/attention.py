@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
-from europa_jax.model import kernels
+from europa_jax.model import flash_backward, kernels
 from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
 
 
@@ -76,7 +76,8 @@ class MLAttention(nn.Module):
             else:
                 result = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
                                            scale=scale, impl=impl,
-                                           return_logit_max=self.report_logit_max)
+                                           return_logit_max=self.report_logit_max,
+                                           backward_chunk=cfg.attention_backward_chunk)
         out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
         out_BSD = jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
@@ -284,8 +285,17 @@ TOKAMAX_ATTENTION = {"tokamax": "mosaic_gpu", "tokamax_triton": "triton",
                      "tokamax_xla": "xla"}
 
 
+def backward_chunk_for(s: int, backward_chunk: int) -> int:
+    """The chunk the pairwise backward runs on for `s` positions (0: none): whole query
+    tiles, at most the (padded) sequence; the sequence is padded to a multiple of it."""
+    if not backward_chunk:
+        return 0
+    whole = -(-s // LIBRARY_SEQ_MULTIPLE) * LIBRARY_SEQ_MULTIPLE
+    return -(-min(backward_chunk, whole) // LIBRARY_SEQ_MULTIPLE) * LIBRARY_SEQ_MULTIPLE
+
+
 def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="tokamax",
-                      return_logit_max=False):
+                      return_logit_max=False, backward_chunk=0):
     """Causal, document-masked attention by tokamax's flash attention (forward and VJP).
 
     The document mask goes in as `Mask(k_start=document start, is_causal=True)`, which
@@ -295,31 +305,46 @@ def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="to
     Mosaic GPU kernel (warp-specialized, sm90 WGMMA); `tokamax_triton` is its Triton one;
     `tokamax_xla` runs anywhere but materializes the mask (tests compare it with the
     blockwise kernel). Rows whose document has no visible key cannot occur (causal).
+    With `backward_chunk` the Mosaic kernel's backward runs on chunk pairs and skips the
+    pairs of other documents (flash_backward.py); its forward already skips them.
 
     `return_logit_max`: the op's softmax residuals `(row max of scale·q·k, denominator)`
     [B, H, S] (`return_residuals=True`; the Mosaic sm90 kernel stores its exact running
     max, and its VJP needs them anyway) reduced at once to each head's max over real rows.
-    The residuals' cotangent is dropped by tokamax's VJP (it differentiates the output
-    only), and they are stop_gradient'ed here, so gradients are unchanged.
+    The residuals' cotangent is dropped by the VJPs (they differentiate the output only),
+    and they are stop_gradient'ed here, so gradients are unchanged.
     """
     tokamax = kernels.import_tokamax()  # noqa: F841 - absl flags before tokamax's modules
     from tokamax._src.ops.attention import api, base
 
     op = api.IMPLEMENTATIONS[TOKAMAX_ATTENTION[impl]]
     s = q_BSHK.shape[1]
+    chunk = backward_chunk_for(s, backward_chunk) if impl == "tokamax" else 0
     if impl != "tokamax_xla":
         q_BSHK, k_BSHK, v_BSHO, segment_ids_BS = pad_sequence(
-            q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, LIBRARY_SEQ_MULTIPLE)
-    mask = base.Mask(k_start=document_starts(segment_ids_BS)[:, None, :], is_causal=True)
+            q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, chunk or LIBRARY_SEQ_MULTIPLE)
+    k_start_BS = document_starts(segment_ids_BS)
     dtype = v_BSHO.dtype
     if impl == "tokamax" and dtype == jnp.float32:
         # the Mosaic kernel multiplies bf16 only: float32-compute configs (the CPU ones,
         # planned for a GPU) get bf16 inputs there, float32 accumulation and output
         q_BSHK, k_BSHK, v_BSHO = (t.astype(jnp.bfloat16) for t in (q_BSHK, k_BSHK, v_BSHO))
-    if not return_logit_max:
+
+    def forward(q, k, v, k_start):
+        mask = base.Mask(k_start=k_start[:, None, :], is_causal=True)
+        return op(q, k, v, mask=mask, logits_scale=scale, return_residuals=True)
+
+    if chunk:
+        out_BSHO, m_BHS = flash_backward.attention(
+            q_BSHK, k_BSHK, v_BSHO, k_start_BS, scale, chunk, forward,
+            flash_backward.tokamax_pair_vjp(op, scale))
+    elif return_logit_max:
+        out_BSHO, (m_BHS, _) = forward(q_BSHK, k_BSHK, v_BSHO, k_start_BS)
+    else:
+        mask = base.Mask(k_start=k_start_BS[:, None, :], is_causal=True)
         return op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale)[:, :s].astype(dtype)
-    out_BSHO, (m_BHS, _) = op(q_BSHK, k_BSHK, v_BSHO, mask=mask, logits_scale=scale,
-                              return_residuals=True)
+    if not return_logit_max:
+        return out_BSHO[:, :s].astype(dtype)
     # padded query rows (a document of their own, segment -1) are dropped with the output
     logit_max_H = row_max_per_head(m_BHS[:, :, :s], segment_ids_BS[:, :s])
     return out_BSHO[:, :s].astype(dtype), logit_max_H

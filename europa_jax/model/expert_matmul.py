@@ -6,8 +6,10 @@ X blocks, Y rows per block.
 
 Two ways in: `compute_local_experts` takes rows with up to U local choices each (tokens on
 one device, or what the expert-axis peers sent) and returns each row's weighted sum of its
-experts' outputs; `grouped_swiglu` takes rows already sorted by expert with the group
-sizes, the layout of library grouped matmuls. The kernels (`model.grouped_matmul`):
+experts' outputs — by the blocked loop below, or by a library kernel in bounded windows
+of copies with a written-out backward (expert_windows.py); `grouped_swiglu` takes rows
+already sorted by expert with the group sizes (tests and benchmarks compare kernels on
+it). The kernels (`model.grouped_matmul`):
 
 - `tokamax`: tokamax's grouped matmul — on Hopper its Pallas Mosaic GPU kernel (then
   Triton), each row multiplied by its own expert's matrix only; elsewhere tokamax falls
@@ -26,46 +28,86 @@ sizes, the layout of library grouped matmuls. The kernels (`model.grouped_matmul
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from europa_jax.model import kernels
+from europa_jax.model import expert_windows, kernels
+from europa_jax.model.expert_windows import Windows, windowed_experts
 
 BLOCK_ROWS = 256
 
 
 def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                          impl: str, block_rows: int = BLOCK_ROWS):
-    """Σ_u weight·expert_u(row) for rows whose choices index *these* experts (−1 = none).
+                          impl: str, block_rows: int = BLOCK_ROWS, groups: int = 1,
+                          window: int | None = None):
+    """Σ_u weight·expert_u(row) for rows whose choices index *these* experts (−1 = none),
+    differentiable.
 
-    Returns the combined rows [R, D] float32 and the copies per expert [E]. `blocked`
-    works from integer index arithmetic only: which row and which copy fill each block's
-    slots (`BlockLayout`); the library kernels get the rows sorted by expert.
+    Returns the combined rows [R, D] (float32 for `blocked`, the rows' dtype for the
+    library kernels, summed in float32) and the copies per expert [E]. `blocked` works
+    from integer index arithmetic only: which row and which copy fill each block's slots
+    (`BlockLayout`). The library kernels visit the experts `groups` at a time in windows
+    of `window` copies (expert_windows.py; default: one window of every copy).
     """
     r, u = experts_RU.shape
-    e = w_gate_EDF.shape[0]
+    if impl != "blocked":
+        return windowed_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD,
+                                impl=impl, groups=groups, window=window or r * u)
+    layout = _blocked_layout(experts_RU, w_gate_EDF.shape[0], block_rows)
+    y_RD = blocked_experts(x_RD, weights_RU.reshape(-1), w_gate_EDF, w_up_EDF, w_down_EFD,
+                           *layout[1:])
+    return y_RD, layout[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalExperts:
+    """How one device's experts run (static): `blocked` with its block rows, or a library
+    kernel in windows (expert_windows.Windows)."""
+
+    impl: str
+    block_rows: int = BLOCK_ROWS
+    windows: Windows | None = None
+
+
+def local_forward(x_RD, experts_RU, gates_RU, weights, how: LocalExperts):
+    """The experts' forward without autodiff: (rows [R, D], copies per expert [E],
+    residuals for `local_backward`). For callers that write their own backward pass
+    (moe_dispatch.py); `compute_local_experts` is the same computation, differentiable."""
+    if how.impl != "blocked":
+        return expert_windows.forward(x_RD, experts_RU, gates_RU, weights, how.windows)
+    sizes_E, *layout = _blocked_layout(experts_RU, weights[0].shape[0], how.block_rows)
+    y_RD, residuals = _blocked_experts_fwd(x_RD, gates_RU.reshape(-1), *weights, *layout)
+    return y_RD, sizes_E, residuals
+
+
+def local_backward(residuals, dy_RD, gates_shape, how: LocalExperts):
+    """(d rows [R, D], d gates float32 `gates_shape`, d weights) of `local_forward`."""
+    if how.impl != "blocked":
+        return expert_windows.backward(residuals, dy_RD, how.windows)
+    dx_RD, d_gates_M, *dw = _blocked_experts_bwd(residuals, dy_RD.astype(jnp.float32))[:5]
+    return dx_RD, d_gates_M.astype(jnp.float32).reshape(gates_shape), tuple(dw)
+
+
+def _blocked_layout(experts_RU, e: int, block_rows: int):
+    """(copies per expert, then blocked_experts' slot maps: row and copy of each slot,
+    each block's expert, the blocks in use)."""
+    r, u = experts_RU.shape
     ids_M = jnp.where(experts_RU >= 0, experts_RU, e).reshape(-1)  # "none" sorts last
     order_M = jnp.argsort(ids_M, stable=True)
     counts = jnp.bincount(ids_M, length=e + 1).astype(jnp.int32)
     sizes_E = counts[:e]
-    if impl == "blocked":
-        m = r * u
-        start = jnp.cumsum(counts) - counts
-        rank_M = jnp.zeros(m, jnp.int32).at[order_M].set(
-            jnp.arange(m, dtype=jnp.int32) - start[ids_M[order_M]])  # place within its expert
-        layout = BlockLayout.of(sizes_E, m, block_rows)
-        slot_M = jnp.where(ids_M < e, layout.first_slot_E[jnp.minimum(ids_M, e - 1)] + rank_M,
-                           layout.slots)  # out of range: no expert here
-        copy_S = jnp.full(layout.slots, m, jnp.int32).at[slot_M].set(
-            jnp.arange(m, dtype=jnp.int32), mode="drop")  # m: an empty slot
-        y_RD = blocked_experts(x_RD, weights_RU.reshape(-1), w_gate_EDF, w_up_EDF, w_down_EFD,
-                               copy_S // u, copy_S, layout.block_expert_X, layout.used_blocks)
-        return y_RD, sizes_E
-    y_sorted_MD = grouped_swiglu(x_RD[order_M // u], w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E,
-                                 impl=impl)
-    y_sorted_MD = jnp.where((ids_M[order_M] < e)[:, None], y_sorted_MD, 0)
-    y_RUD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD).reshape(r, u, -1)
-    return jnp.einsum("rud,ru->rd", y_RUD.astype(jnp.float32), weights_RU), sizes_E
+    m = r * u
+    start = jnp.cumsum(counts) - counts
+    rank_M = jnp.zeros(m, jnp.int32).at[order_M].set(
+        jnp.arange(m, dtype=jnp.int32) - start[ids_M[order_M]])  # place within its expert
+    layout = BlockLayout.of(sizes_E, m, block_rows)
+    slot_M = jnp.where(ids_M < e, layout.first_slot_E[jnp.minimum(ids_M, e - 1)] + rank_M,
+                       layout.slots)  # out of range: no expert here
+    copy_S = jnp.full(layout.slots, m, jnp.int32).at[slot_M].set(
+        jnp.arange(m, dtype=jnp.int32), mode="drop")  # m: an empty slot
+    return sizes_E, copy_S // u, copy_S, layout.block_expert_X, layout.used_blocks
 
 
 def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, impl: str,

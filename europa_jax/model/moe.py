@@ -1,9 +1,12 @@
 """DeepSeek-V3 mixture of experts: sigmoid router, group-limited top-k, shared expert.
 
 Shape suffixes: the project's one legend (europa_jax/__init__.py); here T tokens (B·S),
-U experts chosen per token (top-k), M rows sorted by expert (one per row and choice),
-J peers on the expert axis, C slots per peer (capacity), R = J·C rows received,
-X and Y blocks (chunks) and the rows in one.
+U experts chosen per token (top-k), J peers on the expert axis, X and Y chunks of tokens
+and the tokens in one.
+
+The routed experts run where they live: moe_dispatch.py exchanges token rows over the
+`expert` axis in bounded rounds; each device's experts run by expert_matmul.py (the
+blocked loop on CPU) or expert_windows.py (a library grouped matmul in bounded windows).
 
 Routing (DeepSeek-V3 §2.1.2, arXiv:2412.19437): scores = sigmoid(x·W_router). A per-expert
 bias, updated outside the gradient (aux-loss-free balancing), is added to the scores only
@@ -23,7 +26,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
-from europa_jax.model.expert_matmul import compute_local_experts
+from europa_jax.model.expert_matmul import LocalExperts
+from europa_jax.model.expert_windows import Windows
+from europa_jax.model.moe_dispatch import dispatch, Layout, Rounds
 from europa_jax.model.layers import SwiGLU, weight
 from europa_jax.parallel import comm
 
@@ -46,86 +51,54 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
     return weights_TU * cfg.routed_scaling_factor, experts_TU.astype(jnp.int32)
 
 
-def dispatch_layout(experts_TU: jax.Array, ep: int, experts_per_device: int, capacity: int):
-    """Where each token goes: one row per (token, destination device), not per expert.
+def expert_window_rows(t: int, cfg: ModelConfig, groups: int) -> int:
+    """Copies per window of one expert group: `moe_buffer_factor` × the copies a group
+    expects (a device receives t·k copies on average, split over its groups)."""
+    return max(1, math.ceil(cfg.moe_buffer_factor * t * cfg.top_k / groups))
 
-    A token routed to several experts on one device is sent there once (group-limited
-    routing with one group per device bounds destinations by `topk_group`). Rows land in
-    per-destination regions of `capacity` slots in token order; a row whose slot is past
-    capacity is dropped (only possible with a capacity factor).
-    Returns (dest [T, U], kept [T, J] bool, flat buffer index [T, J]).
-    """
-    dest_TU = experts_TU // experts_per_device
-    sent_TJ = jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1)
-    slot_TJ = jnp.cumsum(sent_TJ, axis=0) - 1
-    kept_TJ = sent_TJ & (slot_TJ < capacity)
-    index_TJ = jnp.where(kept_TJ, jnp.arange(ep) * capacity + slot_TJ, ep * capacity)
-    return dest_TU, kept_TJ, index_TJ
+
+MAX_WINDOW_ROWS = 65536  # auto expert groups: the fewest whose window is at most this
+
+
+def expert_groups(t: int, cfg: ModelConfig, local_experts: int) -> int:
+    if cfg.moe_expert_groups:
+        return cfg.moe_expert_groups
+    return next(g for g in range(1, local_experts + 1) if local_experts % g == 0 and (
+        expert_window_rows(t, cfg, g) <= MAX_WINDOW_ROWS or g == local_experts))
+
+
+def local_experts(t: int, cfg: ModelConfig, e_local: int) -> LocalExperts:
+    """How this device's experts run for t local tokens (the kernel of the platform)."""
+    impl = kernels.grouped_matmul_impl(cfg)
+    if impl == "blocked":
+        return LocalExperts(impl)
+    groups = expert_groups(t, cfg, e_local)
+    return LocalExperts(impl, windows=Windows(impl, groups, expert_window_rows(t, cfg, groups)))
 
 
 def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
                  cfg: ModelConfig):
-    """Routed experts with expert parallelism over the mesh's `expert` axis.
-
-    Communication (per MoE layer, J = ep peers on the `expert` axis, C = capacity rows):
-      1. all_to_all int32[J]        rows per peer (so receivers know what is valid)
-      2. all_to_all x[J, C, D]      token rows, bf16/compute dtype (ragged: filled rows only)
-         all_to_all int32[J, C, U]  their local expert ids, float32[J, C, U] gate weights
-      3. grouped matmul over this device's E/J experts
-      4. all_to_all y[J, C, D]      combined outputs back to the token's device
-    With ep = 1 (one device, or no SPMD context) the exchanges are the identity.
-    """
-    ep = comm.expert_parallelism()
-    t, k = experts_TU.shape
-    d, e_local = x_TD.shape[1], w_gate_EDF.shape[0]
-    capacity = t
-    if cfg.moe_capacity_factor is not None:
-        capacity = min(t, max(1, math.ceil(cfg.moe_capacity_factor * t * k / ep)))
-    dest_TU, kept_TJ, index_TJ = dispatch_layout(experts_TU, ep, e_local, capacity)
-    rows = ep * capacity
-
-    # each slot of the [J, C] send buffer: which (token, peer) fills it (t·ep: none), so
-    # the buffers are gathered from the tokens — no [T, J, D] copy of them is ever made
-    source_S = jnp.full(rows, t * ep, jnp.int32).at[index_TJ.reshape(-1)].set(
-        jnp.arange(t * ep, dtype=jnp.int32), mode="drop")
-
-    def send_buffer(values, fill):  # [T·J, ...] per (token, peer) → [J, C, ...]
-        return values.at[source_S].get(mode="fill", fill_value=fill).reshape(
-            ep, capacity, *values.shape[1:])
-
-    peer_TUJ = dest_TU[:, :, None] == jnp.arange(ep)
-    local_TJU = jnp.where(peer_TUJ, experts_TU[:, :, None] % e_local, -1).transpose(0, 2, 1)
-    gate_TJU = jnp.where(peer_TUJ, weights_TU[:, :, None], 0.0).transpose(0, 2, 1)
-    send_counts_J = kept_TJ.sum(axis=0).astype(jnp.int32)
-    recv_counts_J = comm.exchange_counts(send_counts_J)
-    wire = comm.exchange_dtype(x_TD.dtype)
-    send_x_JCD = x_TD.astype(wire).at[source_S // ep].get(mode="fill", fill_value=0).reshape(
-        ep, capacity, d)
-    recv_x_JCD = comm.exchange(send_x_JCD, send_counts_J, recv_counts_J).astype(x_TD.dtype)
-    recv_e_JCU = comm.exchange(send_buffer(local_TJU.reshape(t * ep, k), -1), send_counts_J,
-                               recv_counts_J)
-    recv_w_JCU = comm.exchange(send_buffer(gate_TJU.reshape(t * ep, k), 0.0), send_counts_J,
-                               recv_counts_J)
-    valid_JC = jnp.arange(capacity) < recv_counts_J[:, None]  # ragged leaves the rest stale
-    recv_e_JCU = jnp.where(valid_JC[..., None], recv_e_JCU, -1)
-
+    """Routed experts with expert parallelism over the mesh's `expert` axis: the exchange
+    rounds of moe_dispatch.py, and what they carried (summed over the mesh)."""
+    axis = comm.expert_axis()
+    ep, (t, k), e_local = axis.size, experts_TU.shape, w_gate_EDF.shape[0]
+    rounds = Rounds.of(t, cfg, axis, local_experts(t, cfg, e_local))
     with jax.named_scope("expert_matmuls"):  # profiles (benchmarks/profile_breakdown.py)
-        y_RD, sizes_E = compute_local_experts(
-            recv_x_JCD.reshape(rows, d), recv_e_JCU.reshape(rows, k),
-            recv_w_JCU.reshape(rows, k), w_gate_EDF, w_up_EDF, w_down_EFD,
-            impl=kernels.grouped_matmul_impl(cfg))
-    back_JCD = comm.exchange(y_RD.astype(wire).reshape(ep, capacity, d), recv_counts_J,
-                             send_counts_J)
-    back_TJD = back_JCD.reshape(rows, d).at[index_TJ].get(mode="fill", fill_value=0)
-    y_TD = back_TJD.astype(jnp.float32).sum(axis=1)
-
-    stats = {"processed_copies": comm.psum_all(sizes_E.sum()),
+        y_TD, processed = dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
+                                   w_down_EFD, rounds)
+    rows_J = Layout.rows_per_peer(experts_TU, e_local, ep)
+    if rounds.drops:
+        rows_J = jnp.minimum(rows_J, rounds.capacity)
+    remote_J = jnp.where(jnp.arange(ep) == axis.index(), 0, rows_J)
+    stats = {"processed_copies": comm.psum_all(jax.lax.stop_gradient(processed)),
              "routed_copies": comm.psum_all(jnp.asarray(t * k, jnp.int32)),
              # rows that leave the device: what the exchange really has to carry, against
              # one row per remote expert copy (no per-device deduplication)
-             "exchanged_rows": comm.psum_all(jnp.where(
-                 jnp.arange(ep) == comm.expert_index(), 0, send_counts_J).sum()),
-             "remote_copies": comm.psum_all((dest_TU != comm.expert_index()).sum())}
+             "exchanged_rows": comm.psum_all(remote_J.sum()),
+             "remote_copies": comm.psum_all((experts_TU // e_local != axis.index()).sum()),
+             # exchange rounds past round 0, and dispatches (devices × layers × chunks)
+             "overflow_rounds": comm.psum_all(rounds.overflow_rounds(rows_J)),
+             "dispatches": comm.psum_all(jnp.asarray(1, jnp.int32))}
     return y_TD, stats
 
 
@@ -133,11 +106,12 @@ def chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_
                      cfg: ModelConfig):
     """`moe_dispatch` over `cfg.moe_chunk_tokens` tokens at a time (all at once for 0).
 
-    Each chunk is dispatched dropless on its own — its exchange buffers, sorted rows and
-    grouped-matmul operands sized by the chunk — and is a `jax.checkpoint`, so that the
-    backward pass also holds one chunk's buffers at a time instead of every chunk's
-    residuals: the layer's peak no longer grows with the sequence. The price is that the
-    chunk's forward (exchange and expert matmuls) runs once more in the backward pass.
+    Each chunk is dispatched on its own — its exchange buffers and expert windows sized
+    by the chunk — and is a `jax.checkpoint`, so that the backward pass also holds one
+    chunk's buffers at a time: a memory lever for when one dispatch of the whole row does
+    not fit. Its costs: the chunk's forward runs once more in the backward pass, and the
+    expert weights' gradients are added up chunk by chunk (a read-modify-write of every
+    expert matrix per chunk, in the weights' dtype) where one dispatch writes them once.
     Tokens never interact across chunks in a MoE layer, so outputs and gradients are
     those of one dispatch (up to summation order).
     """

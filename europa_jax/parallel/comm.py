@@ -9,10 +9,10 @@ every byte that crosses devices is written here, with its dtype:
   gradient is `psum_scatter`ed back to shards in bf16 (or fp32). Master weights and the
   optimizer stay fp32. Expert weights keep their `expert` axis: only the `data` (FSDP)
   part is gathered, the experts stay on the GPU of the node that owns them.
-- `exchange` / `exchange_counts`: the MoE all-to-all over `expert` only (NVLink inside a
-  node). `dense` is `all_to_all` of per-destination buffers sized so nothing can drop
-  (XLA:CPU has no ragged collective); `ragged` is `ragged_all_to_all`, which sends only
-  the filled rows of the very same buffers, with no host sync of split sizes.
+- `ExpertAxis.exchange` / `.counts`: the MoE all-to-all over `expert` only (NVLink inside
+  a node). `dense` is `all_to_all` of the per-destination buffers (XLA:CPU has no ragged
+  collective); `ragged` is `ragged_all_to_all`, which sends only the filled rows of the
+  very same buffers, with no host sync of split sizes.
 
 Outside `spmd(...)` (unsharded use: tests, export parity) every function is the identity
 up to a dtype cast, so model code runs unchanged on one device.
@@ -139,49 +139,66 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 # ----------------------------------------------------------------------------- expert exchange
 
 
-def expert_parallelism() -> int:
+@dataclasses.dataclass(frozen=True)
+class ExpertAxis:
+    """The MoE exchange over the `expert` axis: its size, `dense` or `ragged`, and the
+    wire dtype of token rows (None: the compute dtype). Taken from the SPMD context while
+    the model is traced (`expert_axis()`) and kept by whoever needs it later: a custom
+    VJP's backward pass is traced after the context has been left."""
+
+    size: int = 1
+    mode: str = "dense"
+    wire: str | None = None
+
+    def index(self) -> jax.Array:
+        """This device's position on the expert axis (0 for size 1)."""
+        return jax.lax.axis_index(EXPERT_AXIS) if self.size > 1 else jnp.int32(0)
+
+    def max(self, x: jax.Array) -> jax.Array:
+        """The largest `x` over this device's expert group: what the group agrees on
+        before exchange rounds that all of it must join."""
+        return jax.lax.pmax(x, EXPERT_AXIS) if self.size > 1 else x
+
+    def wire_dtype(self, compute_dtype):
+        """Dtype of token rows on the wire (the compute dtype outside SPMD)."""
+        return DTYPES[self.wire] if self.wire else compute_dtype
+
+    def counts(self, send_counts_J: jax.Array) -> jax.Array:
+        """Rows each peer will send me, from the rows I send each peer ([ep] int32)."""
+        if self.size == 1:
+            return send_counts_J
+        return jax.lax.all_to_all(send_counts_J, EXPERT_AXIS, 0, 0, tiled=True)
+
+    def exchange(self, buf_JC: jax.Array, send_counts_J: jax.Array,
+                 recv_counts_J: jax.Array) -> jax.Array:
+        """Swap per-peer regions: out[i] = what peer i put in its buf[me].
+
+        `buf_JC` is [ep, C, ...]: region j holds `send_counts_J[j]` filled rows for peer
+        j. The result has the same layout, region i holding `recv_counts_J[i]` rows from
+        peer i; rows past the counts are don't-care (stale with `ragged`).
+        """
+        ep = self.size
+        if ep == 1:
+            return buf_JC
+        if self.mode == "dense":
+            return jax.lax.all_to_all(buf_JC, EXPERT_AXIS, 0, 0, tiled=True)
+        c = buf_JC.shape[1]
+        flat = buf_JC.reshape(ep * c, *buf_JC.shape[2:])
+        region_starts_J = jnp.arange(ep, dtype=jnp.int32) * c
+        out = jax.lax.ragged_all_to_all(
+            flat, jnp.zeros_like(flat), region_starts_J, send_counts_J.astype(jnp.int32),
+            jnp.full((ep,), self.index() * c, jnp.int32), recv_counts_J.astype(jnp.int32),
+            axis_name=EXPERT_AXIS)
+        return out.reshape(buf_JC.shape)
+
+
+def expert_axis() -> ExpertAxis:
+    """The expert exchange of the SPMD context being traced (size 1 outside it)."""
     ctx = current()
-    return ctx.mesh_shape.get(EXPERT_AXIS, 1) if ctx else 1
-
-
-def expert_index() -> jax.Array:
-    """This device's position on the expert axis (0 outside shard_map)."""
-    return jax.lax.axis_index(EXPERT_AXIS) if expert_parallelism() > 1 else jnp.int32(0)
-
-
-def exchange_dtype(compute_dtype):
-    """Dtype of token rows on the MoE all-to-all (the compute dtype outside SPMD)."""
-    ctx = current()
-    return DTYPES[ctx.comm.expert_exchange_dtype] if ctx else compute_dtype
-
-
-def exchange_counts(send_counts_J: jax.Array) -> jax.Array:
-    """Rows each peer will send me, from the rows I send each peer ([ep] int32)."""
-    if expert_parallelism() == 1:
-        return send_counts_J
-    return jax.lax.all_to_all(send_counts_J, EXPERT_AXIS, 0, 0, tiled=True)
-
-
-def exchange(buf_JC: jax.Array, send_counts_J: jax.Array, recv_counts_J: jax.Array) -> jax.Array:
-    """Swap per-peer regions over the expert axis: out[i] = what peer i put in its buf[me].
-
-    `buf_JC` is [ep, C, ...]: region j holds `send_counts_J[j]` filled rows for peer j
-    (C = worst case, so nothing drops). The result has the same layout, region i holding
-    `recv_counts_J[i]` rows from peer i; rows past the counts are don't-care.
-    """
-    ep = expert_parallelism()
-    if ep == 1:
-        return buf_JC
-    if current().comm.expert_exchange == "dense":
-        return jax.lax.all_to_all(buf_JC, EXPERT_AXIS, 0, 0, tiled=True)
-    c = buf_JC.shape[1]
-    flat = buf_JC.reshape(ep * c, *buf_JC.shape[2:])
-    region_starts_J = jnp.arange(ep, dtype=jnp.int32) * c
-    out = jax.lax.ragged_all_to_all(
-        flat, jnp.zeros_like(flat), region_starts_J, send_counts_J.astype(jnp.int32),
-        jnp.full((ep,), expert_index() * c, jnp.int32), recv_counts_J.astype(jnp.int32),
-        axis_name=EXPERT_AXIS)
-    return out.reshape(buf_JC.shape)
+    if ctx is None:
+        return ExpertAxis()
+    return ExpertAxis(ctx.mesh_shape.get(EXPERT_AXIS, 1), ctx.comm.expert_exchange,
+                      ctx.comm.expert_exchange_dtype)
 
 
 def psum_all(x: jax.Array) -> jax.Array:

@@ -20,9 +20,9 @@ import re
 import jax
 
 from europa_jax.config import Config
-from europa_jax.model import kernels
+from europa_jax.model import attention, kernels, moe
 from europa_jax.parallel import sharding
-from europa_jax.plan import gpu_target, hlo_report
+from europa_jax.plan import gpu_target, hbm_traffic, hlo_report
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -64,7 +64,29 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
     numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
                                       "collective/compiled"))
     largest = {"step": device_buffers(text, TOP_BUFFERS)}
-    return numbers, largest, program_facts(text, cfg)
+    facts = program_facts(text, cfg)
+    facts["hbm_traffic"] = hbm_traffic.summary(hbm_traffic.kernels(text, expected_trips(cfg)))
+    numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
+    return numbers, largest, facts
+
+
+def expected_trips(cfg: Config):
+    """Trip counts the plan expects of the step's loops whose count is data, under its own
+    assumptions: one document per row, so the attention backward's key chunk j pairs with
+    every later query chunk ((X − 1)/2 on average over j); MoE buffers sized at
+    `moe_buffer_factor` × their expected fill, so no overflow round or window runs."""
+    s, chunk = cfg.data.seq_len, attention.backward_chunk_for(
+        cfg.data.seq_len, cfg.model.attention_backward_chunk)
+    chunks = -(-s // chunk) if chunk else 1
+
+    def trips(op_name: str) -> float:
+        if "/attention/" in op_name:
+            return (chunks - 1) / 2
+        if "/moe/" in op_name:
+            return 0.0
+        return 1.0
+
+    return trips
 
 
 def visible_attention(cfg: Config) -> Config:
@@ -97,16 +119,22 @@ def dense_attention_buffers(text: str, cfg: Config) -> list[dict]:
 
 
 def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
-    """Buffers shaped like a dense grouped matmul's expansion — every routed row times every
-    local expert, [.., E_local, .., M, ..] with at least E_local·M·min(D, F) elements (what
-    jax.lax.ragged_dot makes in jaxlib 0.10.2) — which a grouped-matmul kernel must avoid."""
-    ep = cfg.mesh.expert
-    e_local = cfg.model.n_routed_experts // ep
+    """Buffers shaped like a dense grouped matmul's expansion — every row of an expert
+    window times every expert of its group, [.., E_group, .., W, ..] with at least
+    E_group·W·min(D, F) elements (what jax.lax.ragged_dot makes in jaxlib 0.10.2) — which
+    a grouped-matmul kernel must avoid."""
+    e_local = cfg.model.n_routed_experts // cfg.mesh.expert
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
-    rows = ep * tokens * cfg.model.top_k  # dropless receive buffer, one row per choice
-    least = e_local * rows * min(cfg.model.d_model, cfg.model.expert_ffn_dim)
+    if cfg.model.moe_chunk_tokens:
+        tokens = min(tokens, cfg.model.moe_chunk_tokens)
+    windows = moe.local_experts(tokens, dataclasses.replace(cfg.model, grouped_matmul=(
+        kernels.grouped_matmul_impl(cfg.model, "gpu"))), e_local).windows
+    if windows is None:
+        return []
+    experts, rows = e_local // windows.groups, windows.window
+    least = experts * rows * min(cfg.model.d_model, cfg.model.expert_ffn_dim)
     return [b for b in hlo_report.largest_buffers(text, None)
-            if e_local in b["shape"] and rows in b["shape"] and math.prod(b["shape"]) >= least]
+            if experts in b["shape"] and rows in b["shape"] and math.prod(b["shape"]) >= least]
 
 
 def device_buffers(text: str, n: int) -> list[dict]:

@@ -29,9 +29,11 @@ leaf's matrices to a multiple of the devices, muon_sharded.py), so with probes i
 also compiled alone at full depth: its memory, FLOPs and collectives are exact.
 
 Step time (hardware.py) — compute and the three links work concurrently, so
-    step ≈ max(compute + optimizer update, NVLink, InfiniBand, NVLink-C2C)   (overlapped)
-and their sum is the pessimistic bound (serial). compute = executed FLOPs / (peak ·
-efficiency); each link = its bytes / (bandwidth · efficiency). Collectives over `expert`
+    step ≈ max(compute + memory + optimizer update, NVLink, InfiniBand, NVLink-C2C)
+(overlapped) and their sum is the pessimistic bound (serial). compute = executed FLOPs /
+(peak · efficiency); memory = the GPU program's non-matmul kernels' HBM bytes
+(hbm_traffic.py; loops whose trip count is data at the trips the plan's assumptions give)
+/ (HBM bandwidth · efficiency); each link = its bytes / (bandwidth · efficiency). Collectives over `expert`
 alone ride NVLink; any that touch `data` are charged in full to InfiniBand; offloaded
 state and activations cross NVLink-C2C once each way per step.
 """
@@ -47,7 +49,7 @@ import jax
 
 from europa_jax import param_table
 from europa_jax.config import Config
-from europa_jax.model import flops
+from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
 from europa_jax.plan import gpu_program, gpu_target, hardware
@@ -132,6 +134,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
         host_state = sum(k.get("pinned_host", 0) for k in state_bytes(state).values())
         out["kernels"] = gpu_program.kernel_checks(cfg, numbers, facts, host_state,
                                                 out["collectives"])
+        out["hbm_traffic"] = facts["hbm_traffic"]
     return out
 
 
@@ -154,16 +157,21 @@ def _rows(numbers: dict[str, float], prefix: str, machine, expert: int) -> list[
 
 
 def _estimate(executed_flops: float, model_flops: float, rows: list[dict], c2c_bytes: float,
-              update_bytes: float, tokens_per_device: float, machine) -> dict[str, float]:
+              update_bytes: float, tokens_per_device: float, machine,
+              kernel_bytes: float = 0.0) -> dict[str, float]:
     """Step time and throughput under the model in the module docstring."""
+    hbm = machine.hbm_bandwidth * machine.link_efficiency
     seconds = {"compute_s": executed_flops / (machine.bf16_flops * machine.compute_efficiency),
+               # the non-matmul kernels of the GPU program (hbm_traffic.py): HBM-bound, on
+               # the same SMs as the matmuls (0 for the XLA:CPU program: not counted)
+               "memory_s": kernel_bytes / hbm,
                # the update reads state and gradients and writes state: HBM-bound
-               "update_s": update_bytes / (machine.hbm_bandwidth * machine.link_efficiency),
+               "update_s": update_bytes / hbm,
                "nvlink_s": sum(r["seconds"] for r in rows if r["link"] == "nvlink"),
                "infiniband_s": sum(r["seconds"] for r in rows if r["link"] == "infiniband"),
                "c2c_s": c2c_bytes / (machine.c2c_bandwidth * machine.link_efficiency)}
-    overlapped = max(seconds["compute_s"] + seconds["update_s"], seconds["nvlink_s"],
-                     seconds["infiniband_s"], seconds["c2c_s"])
+    overlapped = max(seconds["compute_s"] + seconds["memory_s"] + seconds["update_s"],
+                     seconds["nvlink_s"], seconds["infiniband_s"], seconds["c2c_s"])
     serial = sum(seconds.values())
     return {**seconds, "step_overlapped_s": overlapped, "step_serial_s": serial,
             "tokens_per_s_per_gpu_overlapped": tokens_per_device / overlapped,
@@ -232,7 +240,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         charged = step_rows + partitioner_rows
     estimate = functools.partial(_estimate, model_flops=model_flops, c2c_bytes=host_total,
                                  update_bytes=2 * all_state + grads,
-                                 tokens_per_device=tokens / n_dev, machine=machine)
+                                 tokens_per_device=tokens / n_dev, machine=machine,
+                                 kernel_bytes=numbers.get("hbm/non_gemm_priced", 0.0))
     as_compiled = estimate(executed, rows=charged)
     fits = (hbm_peak is not None and hbm_peak <= budget["hbm_bytes"]
             and host_peak is not None and host_peak <= budget["host_bytes"])
@@ -254,10 +263,13 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         "memory": memory,
         "flops": {"model": model_flops, "recompute_factor": recompute,
                   "optimizer": optimizer_flops, "executed": executed,
+                  "attention_kernels": attention_kernels(cfg),
                   "hlo_matmul_loss": numbers.get("flops/hlo_loss"),
                   "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
         "collectives": charged,
         "kernels": [],
+        # the GPU program's non-matmul kernels, bytes per step (hbm_traffic.py); GPU only
+        "hbm_traffic": None,
         # analytic (the compiled numbers above include it): MuonClip's measurement and clip
         "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev),
         "estimate": {
@@ -268,6 +280,20 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
                                                            rows=step_rows),
         },
     }
+
+
+def attention_kernels(cfg: Config) -> dict[str, Any]:
+    """The share of a causal row's query-key pairs the attention kernels run, forward
+    (tokamax skips key tiles before each 128-query tile's document start) and backward
+    (chunk pairs, flash_backward.py), for the row the estimate assumes (one document) and
+    for 64 documents of equal length: what skipping other documents is worth."""
+    s = cfg.data.seq_len
+    chunk = attention.backward_chunk_for(s, cfg.model.attention_backward_chunk)
+    padded = -(-s // (chunk or 1)) * (chunk or 1) if chunk else s
+    fractions = functools.partial(flash_backward.kernel_pair_fraction, seq_len=padded,
+                                  chunk=chunk or padded, tile=attention.LIBRARY_SEQ_MULTIPLE)
+    return {"backward_chunk": chunk, "one_document_per_row": fractions([s]),
+            "64_documents_per_row": fractions([s // 64] * 64 + [s % 64] * bool(s % 64))}
 
 
 def _cpu_memory(held, replicated, grads, act_host, host_total, step, fb, upd, step_device,

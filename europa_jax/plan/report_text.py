@@ -73,6 +73,13 @@ def _flops(f: dict[str, Any]) -> list[str]:
              f"  {'+ optimizer matmuls as partitioned (compiled program)':<66}"
              f"{pf(f['optimizer'])}",
              f"  {'= executed':<66}{pf(f['executed'])}"]
+    kernels = f.get("attention_kernels")
+    if kernels:
+        one, many = kernels["one_document_per_row"], kernels["64_documents_per_row"]
+        lines.append(f"  attention kernels run, of a causal row's pairs (forward / backward, "
+                     f"backward chunk {kernels['backward_chunk'] or 'none'}): one document "
+                     f"{one['forward']:.3f} / {one['backward']:.3f} (the estimate's), "
+                     f"64 documents {many['forward']:.3f} / {many['backward']:.3f}")
     if f["xla_cost_analysis"] is not None:
         lines.append(f"  {'(XLA:CPU cost_analysis counts each loop body once: not a total)':<66}"
                      f"{pf(f['xla_cost_analysis'])}")
@@ -104,7 +111,8 @@ def _s(x: float) -> str:
 
 def _estimate(e: dict[str, float], label: str) -> list[str]:
     return [f"  {label}:",
-            f"    compute {_s(e['compute_s'])} + update {_s(e['update_s'])} | NVLink "
+            f"    compute {_s(e['compute_s'])} + memory {_s(e['memory_s'])} + update "
+            f"{_s(e['update_s'])} | NVLink "
             f"{_s(e['nvlink_s'])} | InfiniBand {_s(e['infiniband_s'])} | C2C {_s(e['c2c_s'])}",
             f"    step {_s(e['step_overlapped_s'])} overlapped → "
             f"{e['tokens_per_s_per_gpu_overlapped']:,.0f} tokens/s/GPU (MFU "
@@ -143,6 +151,24 @@ def _gpu_memory(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _hbm_traffic(t: dict[str, Any]) -> list[str]:
+    """The GPU program's non-matmul kernels: HBM bytes per step by part of the model."""
+    tb = lambda x: f"{x / 1e12:,.2f} TB"
+    lines = [f"non-matmul kernels, HBM bytes per GPU per step (optimized GPU program): "
+             f"{tb(t['bytes_per_step'])}, + {tb(t['data_dependent_bytes_per_step'])} in "
+             f"data-dependent loops and branches at their expected trips; the MoE layer's "
+             f"loops {tb(t['moe_loop_bytes_per_step'])}"]
+    maybe = t["data_dependent_by_region"]
+    for name, value in t["by_region"].items():
+        extra = f" (+ {tb(maybe[name])})" if maybe.get(name) else ""
+        lines.append(f"  {name:<28} {tb(value):>12}{extra}")
+    lines.append("  largest kernels:")
+    for k in t["largest"][:5]:
+        lines.append(f"    {tb(k['bytes_per_step']):>10} = {k['bytes_per_run'] / 1e9:,.2f} GB × "
+                     f"{k['runs']:,.0f}  {k['kind']:<13} …{k['source'][-60:]}")
+    return lines
+
+
 def _kernels(checks: list[dict]) -> list[str]:
     lines = ["GPU-only paths: what each compiled to"]
     for k in checks:
@@ -174,6 +200,8 @@ def format_report(r: dict[str, Any]) -> str:
         return "\n".join(lines)
     if gpu:
         lines += [""] + _kernels(r["kernels"])
+        if r.get("hbm_traffic"):
+            lines += [""] + _hbm_traffic(r["hbm_traffic"])
     lines += [""] + _flops(r["flops"])
     if r.get("qk_clip"):
         lines += _qk_clip(r["qk_clip"])

@@ -278,6 +278,10 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "moe_exchanged_rows_per_copy": stats["exchanged_rows"].sum()
         / stats["routed_copies"].sum(),
         "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
+        # dispatches whose rows overflowed the bounded exchange buffers into a second round
+        # (exact, slower): near 0 when model.moe_buffer_factor suits the routing
+        "moe_overflow_rounds_per_dispatch": stats["overflow_rounds"].sum()
+        / stats["dispatches"].sum(),
         # the largest pre-softmax attention logit (scale·q·k) of the step, before the clip
         "attention_logit_max": logit_max_LH.max(),
         "attention_logit_max_per_layer": logit_max_LH.max(axis=-1),

@@ -1,0 +1,288 @@
+"""The routed experts' SwiGLU by a library grouped matmul, in bounded windows of copies.
+
+Shape suffixes (europa_jax/__init__.py): R rows, U choices per row, M copies (one per row
+and choice; sorted by expert), E this device's experts, G expert groups, D model width,
+F expert width, W copies in one window.
+
+A device holds `R` received rows, each with up to U choices of its local experts. The
+copies are sorted by expert once; then the experts are visited in `groups` groups of
+E/G experts (a `lax.scan`, each step slicing its group's matrices). A group's
+copies are taken `window` at a time — normally one window, sized near the expected fill
+(moe.expert_window_rows); a group that received more runs more windows (a loop with a
+run-time trip count, so an overflow costs time, never correctness). A window gathers its
+rows, runs the grouped SwiGLU on its experts (tokamax's kernel on GPU) and adds the
+gate-weighted outputs into its rows. Nothing is sized by the worst case (every row
+choosing the same experts) but the integer sort; no elementwise op touches a slot no
+copy fills beyond the window's padding.
+
+The backward pass is written out (custom VJP) for what autodiff of that loop would do
+badly:
+- each group's weights are laid out once in the orientation the kernel multiplies the
+  output gradient by (`[E, F, D]` → `[E, D, F]` and back: the kernel's native
+  `mk,ekn->mn`), not transposed again by every call;
+- each expert's weight gradient is accumulated in float32 over *all* of the layer's
+  copies — inside the kernel's accumulator and across a group's windows — and rounded to
+  the weight's dtype once; it is written once per layer (the scan's stacked output), not
+  read-modified-written per chunk in bf16;
+- a window's hiddens are recomputed, not saved (the forward keeps only its inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from europa_jax.model import kernels
+
+# tokamax's kernels tile rows in blocks of 64–128 (Mosaic GPU refuses other lengths):
+# their windows are whole tiles. Other kernels' stay as asked (tests: so that they overflow).
+WINDOW_MULTIPLE = 128
+# out[g] = lhs[rows of g]ᵀ · rhs[rows of g]: a weight gradient per expert, rows ragged.
+RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """How the library path visits a device's experts: the kernel, expert groups per
+    layer, copies per window."""
+
+    impl: str
+    groups: int
+    window: int
+
+    def __post_init__(self):
+        if self.impl.startswith("tokamax"):  # whole kernel tiles
+            object.__setattr__(self, "window",
+                               -(-self.window // WINDOW_MULTIPLE) * WINDOW_MULTIPLE)
+
+
+def windowed_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                     impl: str, groups: int, window: int):
+    """Σ_u weight·expert_u(row) for rows whose choices index these experts (−1: none).
+
+    Returns the combined rows [R, D] in the rows' dtype (summed in float32) and the
+    copies per expert [E] int32; differentiable (the custom VJP of the module docstring).
+    `groups` must divide E; `window` is the copies per window.
+    """
+    plan = Windows(impl, groups, window)
+    y_RD, sizes_E = _experts(x_RD, weights_RU.astype(jnp.float32), w_gate_EDF, w_up_EDF,
+                             w_down_EFD, experts_RU, plan)
+    return y_RD, jax.lax.stop_gradient(sizes_E)
+
+
+def forward(x_RD, experts_RU, gates_RU, weights, plan: Windows):
+    """(rows [R, D] in x's dtype, copies per expert [E], residuals for `backward`)."""
+    order_M, sizes_E = _sort(experts_RU, weights[0].shape[0], plan.groups)
+    y_RD = _forward(x_RD, gates_RU.reshape(-1), weights, order_M, sizes_E,
+                    experts_RU.shape[1], plan)
+    return y_RD, sizes_E, (x_RD, gates_RU, weights, order_M, sizes_E)
+
+
+def backward(residuals, dy_RD, plan: Windows):
+    """(d rows [R, D] in x's dtype, d gates [R, U] float32, d weights in their dtypes)."""
+    x_RD, gates_RU, weights, order_M, sizes_E = residuals
+    dx_RD, d_gates_M, dw = _backward(x_RD, gates_RU.reshape(-1), weights, order_M, sizes_E,
+                                     dy_RD, gates_RU.shape[1], plan)
+    return dx_RD, d_gates_M.reshape(gates_RU.shape), dw
+
+
+def _sort(experts_RU, e: int, groups: int):
+    """Copies in expert order (−1, "none", last) and the copies per expert."""
+    if e % groups:
+        raise ValueError(f"{groups} expert groups do not divide {e} experts")
+    ids_M = jnp.where(experts_RU >= 0, experts_RU, e).reshape(-1)
+    order_M = jnp.argsort(ids_M, stable=True).astype(jnp.int32)
+    return order_M, jnp.bincount(ids_M, length=e + 1).astype(jnp.int32)[:e]
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _matmul(impl: str):
+    """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix."""
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot
+    tokamax = kernels.import_tokamax()
+    implementation = ("triton", "xla") if impl == "tokamax_triton" else None
+    return functools.partial(tokamax.ragged_dot, implementation=implementation)
+
+
+def _contract(impl: str):
+    """lhs [W, K] and rhs [W, N] with rows ragged by expert → Σ_rows lhsᵀ·rhs [E, K, N],
+    accumulated and returned in float32."""
+    if impl == "ragged_dot":
+        fn = jax.lax.ragged_dot_general
+    else:
+        tokamax = kernels.import_tokamax()
+        implementation = ("triton", "xla") if impl == "tokamax_triton" else None
+        fn = functools.partial(tokamax.ragged_dot_general, implementation=implementation)
+    return lambda lhs, rhs, sizes: fn(lhs, rhs, sizes, RAGGED_CONTRACTING,
+                                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+class _Window:
+    """Window `w` of one group: which copies (sorted positions) and rows it holds, and how
+    many of them each of the group's experts has."""
+
+    def __init__(self, order_M, start, count, sizes_E, w, rows: int, u: int, r: int):
+        m = order_M.shape[0]
+        lo = w * rows  # within the group's run of sorted copies
+        position_W = start + lo + jnp.arange(rows, dtype=jnp.int32)
+        filled_W = jnp.arange(rows) < count - lo
+        self.copy_W = jnp.where(filled_W, order_M.at[position_W].get(mode="fill",
+                                                                     fill_value=m), m)
+        self.row_W = jnp.where(filled_W, self.copy_W // u, r)  # r: none (dropped)
+        end_E = jnp.cumsum(sizes_E)
+        self.sizes_E = (jnp.clip(end_E, lo, lo + rows)
+                        - jnp.clip(end_E - sizes_E, lo, lo + rows)).astype(jnp.int32)
+
+    def gather(self, a_RX, fill=0):
+        return a_RX.at[self.row_W].get(mode="fill", fill_value=fill)
+
+
+def _group_runs(sizes_E, groups: int):
+    """Per group: where its copies start in sorted order, how many, its experts' sizes."""
+    e = sizes_E.shape[0]
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    sizes_GE = sizes_E.reshape(groups, e // groups)
+    return start_E[:: e // groups], sizes_GE.sum(axis=1), sizes_GE
+
+
+def _n_windows(count, rows: int):
+    return (count + rows - 1) // rows
+
+
+def _swiglu_window(mm, x_WD, w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E):
+    gate_WF, up_WF = mm(x_WD, w_gate_EDF, sizes_E), mm(x_WD, w_up_EDF, sizes_E)
+    hidden_WF = jax.nn.silu(gate_WF) * up_WF
+    return mm(hidden_WF, w_down_EFD, sizes_E), (gate_WF, up_WF, hidden_WF)
+
+
+def _group_of(weights, g, groups: int, dtype):
+    """Group g's experts' matrices (slices of the layer's: no stacked copy of them)."""
+    eg = weights[0].shape[0] // groups
+    return tuple(jax.lax.dynamic_slice_in_dim(w, g * eg, eg, 0).astype(dtype) for w in weights)
+
+
+# ----------------------------------------------------------------------------- forward, backward
+
+
+def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
+    r, dt = x_RD.shape[0], x_RD.dtype
+    mm, rows = _matmul(plan.impl), plan.window
+    start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
+
+    def add_window(w, y_RD, mats, start, count, sizes):
+        win = _Window(order_M, start, count, sizes, w, rows, u, r)
+        out_WD, _ = _swiglu_window(mm, win.gather(x_RD), *mats, win.sizes_E)
+        gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
+        return y_RD.at[win.row_W].add(out_WD.astype(jnp.float32) * gate_W[:, None],
+                                      mode="drop")
+
+    def group(y_RD, xs):
+        g, start, count, sizes = xs
+        mats = _group_of(weights, g, plan.groups, dt)
+        # window 0 always runs; a group that received more copies loops over the rest
+        y_RD = add_window(0, y_RD, mats, start, count, sizes)
+        return jax.lax.fori_loop(1, _n_windows(count, rows), lambda w, y: add_window(
+            w, y, mats, start, count, sizes), y_RD), None
+
+    y_RD, _ = jax.lax.scan(group, jnp.zeros((r, weights[2].shape[-1]), jnp.float32),
+                           (jnp.arange(plan.groups), start_G, count_G, sizes_GE))
+    # summed in float32, rounded once: the caller sends the rows back in the wire dtype
+    return y_RD.astype(dt)
+
+
+def _backward(x_RD, gates_M, weights, order_M, sizes_E, dy_RD, u: int, plan: Windows):
+    r, dt = x_RD.shape[0], x_RD.dtype
+    mm, contract, rows = _matmul(plan.impl), _contract(plan.impl), plan.window
+    start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
+    w_dtypes = tuple(w.dtype for w in weights)
+
+    def window_grads(win, w_gate, w_up, w_down, w_gate_t, w_up_t, w_down_t, d_gates_M):
+        """One window: its rows' input gradients, its gates' gradients, and its part of
+        the group's weight gradients (float32)."""
+        x_WD = win.gather(x_RD)
+        out_WD, (gate_WF, up_WF, hidden_WF) = _swiglu_window(mm, x_WD, w_gate, w_up, w_down,
+                                                             win.sizes_E)
+        dy_WD = win.gather(dy_RD)
+        gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
+        # the gate weight's gradient: the copy's output against its row's cotangent
+        d_gates_M = d_gates_M.at[win.copy_W].set(
+            jnp.sum(out_WD.astype(jnp.float32) * dy_WD.astype(jnp.float32), axis=-1),
+            mode="drop")
+        d_out_WD = (dy_WD.astype(jnp.float32) * gate_W[:, None]).astype(dt)
+        d_hidden_WF = mm(d_out_WD, w_down_t, win.sizes_E).astype(jnp.float32)
+        gate32_WF = gate_WF.astype(jnp.float32)
+        sig_WF = jax.nn.sigmoid(gate32_WF)
+        d_up_WF = (d_hidden_WF * gate32_WF * sig_WF).astype(dt)
+        d_gate_WF = (d_hidden_WF * up_WF.astype(jnp.float32) * sig_WF
+                     * (1 + gate32_WF * (1 - sig_WF))).astype(dt)  # silu'
+        dx_WD = (mm(d_gate_WF, w_gate_t, win.sizes_E).astype(jnp.float32)
+                 + mm(d_up_WF, w_up_t, win.sizes_E).astype(jnp.float32)).astype(dt)
+        dw = (contract(x_WD, d_gate_WF, win.sizes_E), contract(x_WD, d_up_WF, win.sizes_E),
+              contract(hidden_WF, d_out_WD, win.sizes_E))
+        return dx_WD, d_gates_M, dw
+
+    def group(carry, xs):
+        dx_RD, d_gates_M = carry
+        g, start, count, sizes = xs
+        w_gate, w_up, w_down = _group_of(weights, g, plan.groups, dt)
+        # laid out once per group (the group's share of the layer's weights), in the
+        # orientation the kernel multiplies by: [E, D, F]ᵀ → [E, F, D] and [E, F, D]ᵀ
+        w_gate_t, w_up_t, w_down_t = (jnp.swapaxes(w, 1, 2) for w in (w_gate, w_up, w_down))
+        mats = (w_gate, w_up, w_down, w_gate_t, w_up_t, w_down_t)
+
+        def add_window(w, carry):
+            dx_RD, d_gates_M, dw = carry
+            win = _Window(order_M, start, count, sizes, w, rows, u, r)
+            dx_WD, d_gates_M, dw_w = window_grads(win, *mats, d_gates_M)
+            return (dx_RD.at[win.row_W].add(dx_WD, mode="drop"), d_gates_M,
+                    tuple(a + b for a, b in zip(dw, dw_w)))
+
+        # window 0 writes the weight gradients (no zeros to add into); a group that
+        # received more copies adds its further windows' in float32
+        win = _Window(order_M, start, count, sizes, 0, rows, u, r)
+        dx_WD, d_gates_M, dw = window_grads(win, *mats, d_gates_M)
+        dx_RD = dx_RD.at[win.row_W].add(dx_WD, mode="drop")
+        dx_RD, d_gates_M, dw = jax.lax.fori_loop(1, _n_windows(count, rows), add_window,
+                                                 (dx_RD, d_gates_M, dw))
+        # rounded to the weights' dtype once, here (the scan stacks the groups' slices)
+        return (dx_RD, d_gates_M), tuple(g.astype(d) for g, d in zip(dw, w_dtypes))
+
+    # a row's gradient sums its ≤ U copies' in the rows' dtype, as autodiff's transpose of
+    # the gather would; each copy's own is a float32 kernel accumulation
+    (dx_RD, d_gates_M), dw_G = jax.lax.scan(
+        group, (jnp.zeros(x_RD.shape, dt), jnp.zeros(gates_M.shape, jnp.float32)),
+        (jnp.arange(plan.groups), start_G, count_G, sizes_GE))
+    dw = tuple(g.reshape(w.shape) for g, w in zip(dw_G, weights))
+    return dx_RD, d_gates_M, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _experts(x_RD, gates_RU, w_gate_EDF, w_up_EDF, w_down_EFD, experts_RU, plan):
+    y_RD, sizes_E, _ = forward(x_RD, experts_RU, gates_RU, (w_gate_EDF, w_up_EDF, w_down_EFD),
+                               plan)
+    return y_RD, sizes_E
+
+
+def _experts_fwd(x_RD, gates_RU, w_gate_EDF, w_up_EDF, w_down_EFD, experts_RU, plan):
+    y_RD, sizes_E, residuals = forward(x_RD, experts_RU, gates_RU,
+                                       (w_gate_EDF, w_up_EDF, w_down_EFD), plan)
+    return (y_RD, sizes_E), residuals
+
+
+def _experts_bwd(plan, residuals, cotangents):
+    dx_RD, d_gates_RU, dw = backward(residuals, cotangents[0], plan)
+    return (dx_RD, d_gates_RU, *dw, None)
+
+
+_experts.defvjp(_experts_fwd, _experts_bwd)

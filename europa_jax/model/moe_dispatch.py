@@ -1,0 +1,258 @@
+"""Expert-parallel dispatch of routed token rows in bounded exchange rounds, its backward
+pass written out.
+
+Shape suffixes (europa_jax/__init__.py): T tokens, U experts chosen per token, J peers on
+the expert axis, C rows per peer in one round, S = J·C slots of a send buffer (one per
+(peer, row number)), R = J·C rows received, D model width.
+
+Each token is sent once to each device holding one of its experts (one row per (token,
+destination), not per expert). A destination's rows are numbered in token order; round 0
+carries numbers [0, C) in buffers of C rows per peer, C = `moe_buffer_factor` × the rows
+a peer expects (`exchange_capacity`, from the routing's expected destinations), and
+further rounds of C/4 rows carry what is left — a loop whose trip count the expert
+group agrees on (a pmax over `expert`), normally zero. Dropless and exact at buffers of
+the expected fill: nothing is sized by the worst case (every row to one peer) but
+integer indices.
+
+Communication per round, over `expert` only (NVLink inside a node):
+  1. all_to_all int32[J]        rows per peer (so receivers know what is valid)
+  2. all_to_all x[J, C, D]      token rows, in the wire dtype (ragged: filled rows only)
+     all_to_all int32[J, C, U]  their local expert ids, float32[J, C, U] gate weights
+  3. the local experts (expert_matmul.local_forward)
+  4. all_to_all y[J, C, D]      combined rows back, summed into their tokens (a segment
+                                sum over the filled slots: a token has ≤ topk_group)
+The backward pass runs the same rounds in the same layout: the output gradient's rows
+out (as 2.), the experts' backward, the rows' and gates' gradients back (as 4.). Written
+out rather than differentiated, so that the overflow rounds can be a loop with a
+run-time trip count, the experts' backward is called directly (expert_windows: weight
+gradients in float32, rounded once), and round 0's received rows are kept from the
+forward pass, not exchanged again. With ep = 1 the exchanges are the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from europa_jax.config import ModelConfig
+from europa_jax.model.expert_matmul import LocalExperts, local_backward, local_forward
+from europa_jax.parallel import comm
+
+OVERFLOW_SPLIT = 4  # an overflow round carries C / 4 rows per peer
+
+
+def expected_destinations(cfg: ModelConfig, ep: int) -> float:
+    """Devices of the expert axis a token's top-k copies visit, on average, under uniform
+    routing: with group-limited routing whose groups are whole devices, at most the
+    `topk_group` groups' devices; otherwise k distinct experts of E spread over ep."""
+    e, k = cfg.n_routed_experts, cfg.top_k
+    if cfg.n_group > 1 and cfg.n_group % ep == 0:
+        per_device = cfg.n_group // ep  # groups held by one device
+        miss = math.comb(cfg.n_group - per_device, cfg.topk_group) / math.comb(
+            cfg.n_group, cfg.topk_group)
+        return min(cfg.topk_group, ep * (1 - miss))
+    return ep * (1 - math.comb(e - e // ep, k) / math.comb(e, k))
+
+
+def exchange_capacity(t: int, cfg: ModelConfig, ep: int) -> tuple[int, bool]:
+    """(rows per peer in round 0, whether rows past it are dropped).
+
+    Dropless, round 0 holds `moe_buffer_factor` × the rows a peer expects from this
+    device (t tokens × expected destinations / ep); what is left goes in further rounds.
+    A capacity factor instead bounds the one round and drops the rest.
+    """
+    if ep == 1:
+        return t, False
+    if cfg.moe_capacity_factor is not None:
+        return min(t, max(1, math.ceil(cfg.moe_capacity_factor * t * cfg.top_k / ep))), True
+    expected = t * expected_destinations(cfg, ep) / ep
+    return min(t, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """The static shape of a dispatch: rows per peer in round 0 and in each later round,
+    whether rows past round 0 are dropped (capacity factor), and how the experts run."""
+
+    capacity: int
+    overflow_capacity: int
+    drops: bool
+    experts: LocalExperts
+    axis: comm.ExpertAxis  # kept: the backward pass is traced outside the SPMD context
+
+    @classmethod
+    def of(cls, t: int, cfg: ModelConfig, axis: comm.ExpertAxis,
+           experts: LocalExperts) -> "Rounds":
+        capacity, drops = exchange_capacity(t, cfg, axis.size)
+        return cls(capacity, max(1, -(-capacity // OVERFLOW_SPLIT)), drops, experts, axis)
+
+    def overflow_experts(self) -> LocalExperts:
+        """The experts of an overflow round: windows scaled with its buffers."""
+        w = self.experts.windows
+        if w is None:
+            return self.experts
+        rows = max(1, -(-w.window * self.overflow_capacity // self.capacity))
+        return dataclasses.replace(self.experts, windows=dataclasses.replace(w, window=rows))
+
+    def overflow_rounds(self, rows_J: jax.Array) -> jax.Array:
+        """Rounds after round 0 that this device's expert group needs (int32): all of it
+        joins each one, so the count is over the group's fullest destination."""
+        if self.drops:
+            return jnp.int32(0)
+        left = jnp.maximum(self.axis.max(rows_J.max()) - self.capacity, 0)
+        return ((left + self.overflow_capacity - 1) // self.overflow_capacity).astype(jnp.int32)
+
+
+class Layout:
+    """One round's slots: which (token, peer) fills each slot of the [J, C] send buffer,
+    which token each slot belongs to (T: none), and the rows sent to / received from each
+    peer. Round rows are the destination's numbers [base, base + C)."""
+
+    def __init__(self, experts_TU, e_local: int, base, capacity: int, axis: comm.ExpertAxis):
+        ep, t = axis.size, experts_TU.shape[0]
+        self.capacity, self.axis = capacity, axis
+        self.dest_TU = experts_TU // e_local
+        sent_TJ = jnp.any(self.dest_TU[:, :, None] == jnp.arange(ep), axis=1)
+        number_TJ = jnp.cumsum(sent_TJ, axis=0) - 1 - base
+        kept_TJ = sent_TJ & (number_TJ >= 0) & (number_TJ < capacity)
+        index_TJ = jnp.where(kept_TJ, jnp.arange(ep) * capacity + number_TJ, ep * capacity)
+        # gathered from the tokens by slot: no [T, J, D] copy of them is ever made
+        self.source_S = jnp.full(ep * capacity, t * ep, jnp.int32).at[index_TJ.reshape(-1)].set(
+            jnp.arange(t * ep, dtype=jnp.int32), mode="drop")
+        self.token_S = self.source_S // ep
+        self.send_counts_J = kept_TJ.sum(axis=0).astype(jnp.int32)
+        self.kept_TJ = kept_TJ
+
+    @functools.cached_property
+    def recv_counts_J(self) -> jax.Array:
+        """Rows each peer sends me this round (a collective: made when first needed)."""
+        return self.axis.counts(self.send_counts_J)
+
+    @staticmethod
+    def rows_per_peer(experts_TU, e_local: int, ep: int) -> jax.Array:
+        """Rows this device sends each peer over all rounds [J] int32."""
+        dest_TU = experts_TU // e_local
+        return jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1).sum(axis=0).astype(
+            jnp.int32)
+
+    def to_slots(self, values_TX, fill, dtype=None):
+        """Per-token values [T, ...] → the send buffer [J, C, ...]."""
+        ep = self.axis.size
+        v = values_TX if dtype is None else values_TX.astype(dtype)
+        return v.at[self.token_S].get(mode="fill", fill_value=fill).reshape(
+            ep, self.capacity, *values_TX.shape[1:])
+
+    def per_peer_slots(self, values_TJX, fill):
+        """Per-(token, peer) values [T, J, ...] → the send buffer [J, C, ...]."""
+        ep = self.axis.size
+        flat = values_TJX.reshape(-1, *values_TJX.shape[2:])
+        return flat.at[self.source_S].get(mode="fill", fill_value=fill).reshape(
+            ep, self.capacity, *values_TJX.shape[2:])
+
+    def out(self, buf_JCX):
+        return self.axis.exchange(buf_JCX, self.send_counts_J, self.recv_counts_J)
+
+    def back(self, buf_JCX):
+        return self.axis.exchange(buf_JCX, self.recv_counts_J, self.send_counts_J)
+
+    def into_tokens(self, acc_TX, back_JCX):
+        """Add each filled slot's row into its token (empty or stale slots point past)."""
+        flat = back_JCX.reshape(-1, *back_JCX.shape[2:])
+        return acc_TX.at[self.token_S].add(flat.astype(acc_TX.dtype), mode="drop")
+
+
+def _received(x_TD, gates_TU, experts_TU, lay: Layout, e_local: int):
+    """Round rows as the experts' device gets them: x [R, D], local ids [R, U] (−1: none
+    or invalid), gates [R, U] float32."""
+    ep, (t, u), d = lay.axis.size, experts_TU.shape, x_TD.shape[1]
+    peer_TUJ = lay.dest_TU[:, :, None] == jnp.arange(ep)
+    local_TJU = jnp.where(peer_TUJ, experts_TU[:, :, None] % e_local, -1).transpose(0, 2, 1)
+    gate_TJU = jnp.where(peer_TUJ, gates_TU[:, :, None], 0.0).transpose(0, 2, 1)
+    wire = lay.axis.wire_dtype(x_TD.dtype)
+    x_RD = lay.out(lay.to_slots(x_TD, 0, wire)).astype(x_TD.dtype).reshape(-1, d)
+    e_JCU = lay.out(lay.per_peer_slots(local_TJU, -1))
+    g_RU = lay.out(lay.per_peer_slots(gate_TJU, 0.0)).reshape(-1, u)
+    valid_JC = jnp.arange(lay.capacity) < lay.recv_counts_J[:, None]  # ragged: rest stale
+    return x_RD, jnp.where(valid_JC[..., None], e_JCU, -1).reshape(-1, u), g_RU
+
+
+def _round_forward(x_TD, gates_TU, experts_TU, weights, lay: Layout, how: LocalExperts, y_TD):
+    x_RD, e_RU, g_RU = _received(x_TD, gates_TU, experts_TU, lay, weights[0].shape[0])
+    y_RD, sizes_E, residuals = local_forward(x_RD, e_RU, g_RU, weights, how)
+    wire = lay.axis.wire_dtype(x_TD.dtype)
+    back_JCD = lay.back(y_RD.astype(wire).reshape(lay.axis.size, lay.capacity, -1))
+    return lay.into_tokens(y_TD, back_JCD), sizes_E.sum(), residuals
+
+
+def _round_backward(dy_TD, lay: Layout, residuals, how: LocalExperts, carry):
+    """One round's gradients added into (dx [T, D], d gates [T, U], d weights)."""
+    dx_TD, d_gates_TU, dw = carry
+    ep, (t, u) = lay.axis.size, d_gates_TU.shape
+    wire = lay.axis.wire_dtype(dy_TD.dtype)
+    dy_RD = lay.out(lay.to_slots(dy_TD, 0, wire)).reshape(ep * lay.capacity, -1)
+    dx_RD, d_g_RU, dw_round = local_backward(residuals, dy_RD, (ep * lay.capacity, u), how)
+    dx_TD = lay.into_tokens(dx_TD, lay.back(dx_RD.astype(wire).reshape(ep, lay.capacity, -1)))
+    d_g_JCU = lay.back(d_g_RU.reshape(ep, lay.capacity, u))
+    d_g_TJU = jnp.zeros((t * ep, u), jnp.float32).at[lay.source_S].add(
+        d_g_JCU.reshape(-1, u), mode="drop").reshape(t, ep, u)
+    # a gate's gradient came back from the device of its expert
+    d_gates_TU = d_gates_TU + jnp.take_along_axis(d_g_TJU, lay.dest_TU[:, None, :], axis=1)[:, 0]
+    return dx_TD, d_gates_TU, tuple(a + b for a, b in zip(dw, dw_round))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def dispatch(x_TD, gates_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD, rounds: Rounds):
+    """Σ over a token's chosen experts of gate · expert(token), every token's experts on
+    their devices: (rows [T, D] in x's dtype, copies the experts processed (int32))."""
+    return _dispatch_fwd(x_TD, gates_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
+                         rounds)[0]
+
+
+def _dispatch_fwd(x_TD, gates_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD, rounds):
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    e_local = w_gate_EDF.shape[0]
+    lay = Layout(experts_TU, e_local, 0, rounds.capacity, rounds.axis)
+    # the combine accumulates in x's dtype: a token sums ≤ topk_group rows (≤ ep)
+    y_TD, processed, residuals = _round_forward(x_TD, gates_TU, experts_TU, weights, lay,
+                                                rounds.experts, jnp.zeros_like(x_TD))
+    n_over = rounds.overflow_rounds(Layout.rows_per_peer(experts_TU, e_local, rounds.axis.size))
+    how = rounds.overflow_experts()
+
+    def overflow(r, carry):
+        y_TD, processed = carry
+        base = rounds.capacity + (r - 1) * rounds.overflow_capacity
+        later = Layout(experts_TU, e_local, base, rounds.overflow_capacity, rounds.axis)
+        y_TD, more, _ = _round_forward(x_TD, gates_TU, experts_TU, weights, later, how, y_TD)
+        return y_TD, processed + more
+
+    y_TD, processed = jax.lax.fori_loop(1, n_over + 1, overflow, (y_TD, processed))
+    return (y_TD, processed), (x_TD, gates_TU, experts_TU, weights, residuals, n_over)
+
+
+def _dispatch_bwd(rounds, saved, cotangents):
+    x_TD, gates_TU, experts_TU, weights, residuals, n_over = saved
+    dy_TD = cotangents[0]
+    e_local = weights[0].shape[0]
+    lay = Layout(experts_TU, e_local, 0, rounds.capacity, rounds.axis)
+    # a token's gradient sums its ≤ topk_group rows' in its dtype (as the combine does)
+    carry = (jnp.zeros_like(x_TD), jnp.zeros(gates_TU.shape, jnp.float32),
+             tuple(jnp.zeros_like(w) for w in weights))
+    dx_TD, d_gates_TU, dw = _round_backward(dy_TD, lay, residuals, rounds.experts, carry)
+    how = rounds.overflow_experts()
+
+    def overflow(r, carry):
+        base = rounds.capacity + (r - 1) * rounds.overflow_capacity
+        later = Layout(experts_TU, e_local, base, rounds.overflow_capacity, rounds.axis)
+        x_RD, e_RU, g_RU = _received(x_TD, gates_TU, experts_TU, later, e_local)
+        _, _, residuals = local_forward(x_RD, e_RU, g_RU, weights, how)  # not kept: rare
+        return _round_backward(dy_TD, later, residuals, how, carry)
+
+    dx_TD, d_gates_TU, dw = jax.lax.fori_loop(1, n_over + 1, overflow, (dx_TD, d_gates_TU, dw))
+    return (dx_TD.astype(x_TD.dtype), d_gates_TU.astype(gates_TU.dtype), None, *dw)
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
