@@ -7,8 +7,9 @@ and after against another revision, both read by this tree's counter.
 Each tree compiles the config's train step for its GPU mesh (deviceless, as `europa-jax
 plan --target gh200`), in a process of its own, and writes the optimized HLO; this tree's
 `europa_jax/plan/hbm_traffic.py` reads every program, so the counts compare programs, not
-counters. `--against REV` checks REV out into a temporary git worktree and compiles it on
-the very same config file and `--set`s (a key REV lacks is an error there). Loops whose
+counters. `--against REV` checks REV out into a temporary git worktree and compiles its
+own copy of the config (a config of this repository: as REV ships it; another path: the
+same file) with the same `--set`s (a key REV lacks is an error there). Loops whose
 trip count is data are counted once per entry here (`europa-jax plan` uses the trips its
 assumptions give). europa-952b: about 3 min and 5 GB of RAM per compile on 2 cores.
 """
@@ -84,7 +85,10 @@ def main() -> int:
         try:
             for name, tree in trees.items():
                 hlo = Path(scratch) / f"{len(results)}.hlo"
-                run = compile_tree(tree, config, args.set, hlo)
+                own = (tree / config.relative_to(ROOT) if config.is_relative_to(ROOT)
+                       else config)
+                run = compile_tree(tree, own, args.set, hlo)
+                run["config"] = str(own.relative_to(tree) if own.is_relative_to(tree) else own)
                 run.update(hbm_traffic.summary(hbm_traffic.kernels(hlo.read_text())))
                 results[name] = run
                 tb = lambda x: f"{x / 1e12:.2f} TB"

@@ -287,6 +287,17 @@ def test_plan_command_reports_the_gpu_program_as_json():
     assert all(c["source"] == "compiled" for c in r["collectives"])
     kernels = {k["path"]: k["ok"] for k in r["kernels"]}
     assert kernels["grouped matmul"] and kernels["MoE token exchange"] and kernels["attention"]
+    # the non-matmul kernels' bytes, by part of the model, priced in the estimate
+    traffic = r["hbm_traffic"]
+    assert traffic["bytes_per_step"] > 0 and traffic["by_region"]["moe"] > 0
+    assert 0 < traffic["moe_loop_bytes_per_step"] <= traffic["by_region"]["moe"]
+    memory_s = r["estimate"]["as_compiled"]["memory_s"]
+    hw = r["machine"]
+    priced = (traffic["bytes_per_step"] + traffic["data_dependent_bytes_per_step"]
+              - traffic["by_region"].get("optimizer update", 0)
+              - traffic["data_dependent_by_region"].get("optimizer update", 0))
+    assert memory_s == pytest.approx(priced / (hw["hbm_bandwidth"] * hw["link_efficiency"]))
+    assert r["flops"]["attention_kernels"]["one_document_per_row"]["backward"] == 1.0
 
 
 def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

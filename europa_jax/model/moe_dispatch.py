@@ -116,7 +116,7 @@ class Layout:
         ep, t = axis.size, experts_TU.shape[0]
         self.capacity, self.axis = capacity, axis
         self.dest_TU = experts_TU // e_local
-        sent_TJ = jnp.any(self.dest_TU[:, :, None] == jnp.arange(ep), axis=1)
+        sent_TJ = _sent(self.dest_TU, ep)
         number_TJ = jnp.cumsum(sent_TJ, axis=0) - 1 - base
         kept_TJ = sent_TJ & (number_TJ >= 0) & (number_TJ < capacity)
         index_TJ = jnp.where(kept_TJ, jnp.arange(ep) * capacity + number_TJ, ep * capacity)
@@ -135,9 +135,7 @@ class Layout:
     @staticmethod
     def rows_per_peer(experts_TU, e_local: int, ep: int) -> jax.Array:
         """Rows this device sends each peer over all rounds [J] int32."""
-        dest_TU = experts_TU // e_local
-        return jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1).sum(axis=0).astype(
-            jnp.int32)
+        return _sent(experts_TU // e_local, ep).sum(axis=0).astype(jnp.int32)
 
     def to_slots(self, values_TX, fill, dtype=None):
         """Per-token values [T, ...] → the send buffer [J, C, ...]."""
@@ -163,6 +161,11 @@ class Layout:
         """Add each filled slot's row into its token (empty or stale slots point past)."""
         flat = back_JCX.reshape(-1, *back_JCX.shape[2:])
         return acc_TX.at[self.token_S].add(flat.astype(acc_TX.dtype), mode="drop")
+
+
+def _sent(dest_TU, ep: int):
+    """[T, J] bool: whether a token has a chosen expert on each peer (one row per peer)."""
+    return jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1)
 
 
 def _received(x_TD, gates_TU, experts_TU, lay: Layout, e_local: int):
