@@ -2,15 +2,20 @@
 
 Every check that can be made before a compile is made here, so a bad config fails in a
 second with a one-line `ConfigError` naming the key and value instead of deep in XLA.
-Reading YAML into these classes is config_loader.py. Neither module imports jax: the CLI reads a config before it decides how many
-CPU devices jax should create.
+The model's section is config_model.py (re-exported here), the shared error and checks
+config_checks.py; reading YAML into these classes is config_loader.py. None of them
+imports jax: the CLI reads a config before it decides how many CPU devices jax should
+create.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+# re-exported: `from europa_jax.config import ConfigError, ModelConfig` everywhere
+from europa_jax.config_checks import ConfigError, positive  # noqa: F401
+from europa_jax.config_model import ModelConfig, RopeScalingConfig  # noqa: F401
 
 
 # A row needs at least one input token and its next-token target.
@@ -19,160 +24,6 @@ MIN_SEQ_LEN = 2
 # default corpus (the Python standard library's sources) is byte-level, so a config that
 # trains on it needs at least this many rows.
 BYTE_VOCAB_SIZE = 257
-
-
-class ConfigError(ValueError):
-    """A config problem a user can fix; the message is one line naming key and value."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeScalingConfig:
-    """YaRN context extension (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V3 uses it."""
-
-    type: Literal["none", "yarn"] = "none"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
-
-    def __post_init__(self):
-        _positive(self, "factor", "original_max_position_embeddings")
-        if self.type == "yarn" and self.factor < 1.0:
-            raise ConfigError(f"model.rope_scaling.factor: {self.factor} < 1 makes no sense for yarn")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """DeepSeek-V3 / Kimi-K2 family shapes (MLA attention, sigmoid-routed MoE)."""
-
-    vocab_size: int
-    # Rows of the embedding/head are padded to a multiple of this so that the vocab
-    # dimension divides the mesh (2^k vocabularies do not divide 96 nodes × 4).
-    vocab_pad_multiple: int = 128
-    # A weight with no data-shardable dimension that is a multiple of this is stored with
-    # one dimension zero-padded to one (sharding.storage_shape): on 96 nodes, 96, so that
-    # no weight is copied on every node. 1 = never pad.
-    param_pad_multiple: int = 1
-    d_model: int
-    n_layers: int
-    n_dense_layers: int = 1
-    n_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    dense_ffn_dim: int
-    n_routed_experts: int
-    n_shared_experts: int = 1
-    expert_ffn_dim: int
-    top_k: int
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): bias += rate * sign(mean_load - load).
-    router_bias_update_rate: float = 1e-3
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    max_position_embeddings: int = 4096
-    init_std: float = 0.02
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    attention_block_size: int = 512  # the blockwise kernel's query/key block length
-    # Attention kernel (model/kernels.py): auto = on CPU `dense` (all [S, S] scores at once)
-    # where one device's scores fit, else the blockwise scan; tokamax's flash attention on
-    # GPU (Mosaic GPU; `tokamax_triton`: its Triton kernel; `tokamax_xla`: tokamax's XLA
-    # path, which builds a [S, S] mask: tests only).
-    attention: Literal["auto", "dense", "blockwise", "tokamax", "tokamax_triton",
-                       "tokamax_xla"] = "auto"
-    # tokamax's flash attention backward (GPU) runs on pairs of chunks of this many
-    # positions and skips the pairs no query can see (model/flash_backward.py): short
-    # documents cost their own length, not the row's. 0 = tokamax's own backward.
-    attention_backward_chunk: int = 8192
-    # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
-    # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
-    loss_chunk_tokens: int = 4096
-    # Expert matmuls (moe.grouped_swiglu): auto = blocked on CPU (exact, fast on XLA:CPU),
-    # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
-    grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
-                            "ragged_dot"] = "auto"
-    # null = dropless. A float bounds rows per peer to ceil(factor · T·K / ep); rows past
-    # it are dropped (moe_dropped_fraction).
-    moe_capacity_factor: float | None = None
-    # Dropless buffers are sized at this multiple of their expected fill under uniform
-    # routing (model/moe.py): rows per peer of the exchange, copies per expert window.
-    # What does not fit goes in an overflow round (exchange) or window (experts): exact.
-    moe_buffer_factor: float = 1.25
-    # Library grouped matmuls visit the local experts this many at a time, each group's
-    # copies in windows (model/expert_windows.py); 0 = the fewest groups whose window is
-    # at most 65,536 copies. Must divide the local experts.
-    moe_expert_groups: int = 0
-    # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless
-    # buffers are sized by the chunk (ep·chunk·K rows), not by the whole 65,536-token row.
-    moe_chunk_tokens: int = 0
-    scan_layers: bool = True
-    remat: Literal["none", "full"] = "full"
-
-    def __post_init__(self):
-        _positive(self, "vocab_size", "vocab_pad_multiple", "param_pad_multiple", "d_model",
-                  "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                  "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts",
-                  "expert_ffn_dim", "top_k", "n_group", "topk_group", "rms_norm_eps",
-                  "rope_theta", "max_position_embeddings", "attention_block_size", "init_std")
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
-                              f"model.n_layers={self.n_layers}]")
-        if self.moe_chunk_tokens < 0:
-            raise ConfigError(f"model.moe_chunk_tokens: {self.moe_chunk_tokens} must be >= 0")
-        if self.attention_backward_chunk < 0:
-            raise ConfigError(f"model.attention_backward_chunk: {self.attention_backward_chunk} "
-                              "must be >= 0 (0: tokamax's own backward)")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(f"model.loss_chunk_tokens: {self.loss_chunk_tokens} must be >= 0")
-        if self.n_shared_experts < 0:
-            raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} must be >= 0")
-        if self.top_k > self.n_routed_experts:
-            raise ConfigError(f"model.top_k: {self.top_k} > model.n_routed_experts="
-                              f"{self.n_routed_experts}")
-        if self.n_routed_experts % self.n_group:
-            raise ConfigError(f"model.n_group: {self.n_group} does not divide "
-                              f"model.n_routed_experts={self.n_routed_experts}")
-        if self.topk_group > self.n_group:
-            raise ConfigError(f"model.topk_group: {self.topk_group} > model.n_group={self.n_group}")
-        experts_per_group = self.n_routed_experts // self.n_group
-        if self.top_k > self.topk_group * experts_per_group:
-            raise ConfigError(f"model.top_k: {self.top_k} > topk_group × experts per group = "
-                              f"{self.topk_group * experts_per_group}; routing cannot pick that many")
-        if self.n_group > 1 and experts_per_group < 2:
-            raise ConfigError(f"model.n_group: {self.n_group} leaves {experts_per_group} expert per "
-                              "group; group scores sum each group's top-2 experts")
-        if self.moe_buffer_factor <= 0:
-            raise ConfigError(f"model.moe_buffer_factor: {self.moe_buffer_factor} must be "
-                              "positive")
-        if self.moe_expert_groups < 0:
-            raise ConfigError(f"model.moe_expert_groups: {self.moe_expert_groups} must be >= 0")
-        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
-            raise ConfigError(f"model.moe_capacity_factor: {self.moe_capacity_factor} must be "
-                              "positive or null (dropless)")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (RoPE "
-                              "rotates pairs)")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
-
-    @property
-    def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,10 +291,6 @@ def check_device_count(mesh: MeshConfig, n_devices: int, source: str = "") -> No
 
 
 def _positive(obj: Any, *keys: str) -> None:
-    section = {ModelConfig: "model", MeshConfig: "mesh", OptimConfig: "optim",
-               DataConfig: "data", TrainConfig: "train", CheckpointConfig: "checkpoint",
-               RopeScalingConfig: "model.rope_scaling"}[type(obj)]
-    for key in keys:
-        value = getattr(obj, key)
-        if not value > 0:
-            raise ConfigError(f"{section}.{key}: {value} must be positive")
+    section = {MeshConfig: "mesh", OptimConfig: "optim", DataConfig: "data",
+               TrainConfig: "train", CheckpointConfig: "checkpoint"}[type(obj)]
+    positive(section, obj, *keys)
