@@ -390,7 +390,7 @@ def main() -> None:
         section(results, "moe_received", lambda: gpu_regimes.check_moe_received(
             build["moe_received"](mesh), model, tokens, mesh, args.repeats))
         section(results, "grouped_regime", lambda: gpu_regimes.check_grouped_regime(
-            build["grouped_regime"](mesh), model, tokens, mesh, args.repeats))
+            build["grouped_regime"](mesh), model, tokens, mesh, smoke, args.repeats))
         section(results, "documents", lambda: gpu_regimes.check_documents(
             build["documents"](mesh), model, tokens, mesh, args.repeats))
         section(results, "fp8_dot", lambda: gpu_regimes.check_fp8(

@@ -99,18 +99,13 @@ def grouped_regime_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, 
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model import expert_windows, moe
+    from europa_jax.model import expert_windows
 
-    e, d, f = model.n_routed_experts, model.d_model, model.expert_ffn_dim
+    d, f = model.d_model, model.expert_ffn_dim
     impl = _impl(mesh, smoke)
-    mm, contract = expert_windows._matmul(impl), expert_windows._contract(impl)
-    scale = tokens / 65536  # the smoke size shrinks the buffers with the tokens
-    groups = moe.expert_groups(tokens, model, e)
-    window = expert_windows.Windows(impl, groups, moe.expert_window_rows(tokens, model, groups))
-    shapes = {"buffer": (max(64, round(GROUPED_BUFFER_ROWS * scale)),
-                         max(16, round(GROUPED_FILLED_ROWS * scale)), e),
-              "window": (window.window, round(window.window / model.moe_buffer_factor),
-                         e // groups)}
+    mm, contract = expert_windows.matmul_kernel(impl), expert_windows.contract_kernel(impl)
+    shapes = {name: (v["rows"], v["filled"], v["experts"])
+              for name, v in grouped_regime_shapes(model, tokens, impl).items()}
     programs = {}
     for name, (rows, filled, experts) in shapes.items():
         def make_args(rows=rows, filled=filled, experts=experts):
@@ -130,14 +125,15 @@ def grouped_regime_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, 
     return programs
 
 
-def grouped_regime_shapes(model, tokens: int) -> dict:
+def grouped_regime_shapes(model, tokens: int, impl: str = "tokamax") -> dict:
+    """Rows, filled rows and experts of the two grouped-matmul regimes (the smoke size
+    shrinks the buffer with the tokens)."""
     from europa_jax.model import expert_windows, moe
 
     e = model.n_routed_experts
     scale = tokens / 65536
     groups = moe.expert_groups(tokens, model, e)
-    window = expert_windows.Windows("tokamax", groups, moe.expert_window_rows(tokens, model,
-                                                                              groups))
+    window = expert_windows.Windows(impl, groups, moe.expert_window_rows(tokens, model, groups))
     return {"buffer": {"rows": max(64, round(GROUPED_BUFFER_ROWS * scale)),
                        "filled": max(16, round(GROUPED_FILLED_ROWS * scale)), "experts": e},
             "window": {"rows": window.window,
@@ -269,12 +265,12 @@ def check_moe_received(programs, model, tokens: int, mesh, repeats: int) -> dict
     return out
 
 
-def check_grouped_regime(programs, model, tokens: int, mesh, repeats: int) -> dict:
+def check_grouped_regime(programs, model, tokens: int, mesh, smoke: bool, repeats: int) -> dict:
     from gpu_check import section, timed
     from gpu_programs import inputs
 
     out = {}
-    for name, shape in grouped_regime_shapes(model, tokens).items():
+    for name, shape in grouped_regime_shapes(model, tokens, _impl(mesh, smoke)).items():
         work = 2.0 * shape["filled"] * model.d_model * model.expert_ffn_dim
         part = out[name] = {**shape, "flops_per_pass": work}
         for kind in ("fwd", "dgrad", "wgrad"):

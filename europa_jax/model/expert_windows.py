@@ -103,7 +103,7 @@ def _sort(experts_RU, e: int, groups: int):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _matmul(impl: str):
+def matmul_kernel(impl: str):
     """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot
@@ -112,7 +112,7 @@ def _matmul(impl: str):
     return functools.partial(tokamax.ragged_dot, implementation=implementation)
 
 
-def _contract(impl: str):
+def contract_kernel(impl: str):
     """lhs [W, K] and rhs [W, N] with rows ragged by expert → Σ_rows lhsᵀ·rhs [E, K, N],
     accumulated and returned in float32."""
     if impl == "ragged_dot":
@@ -177,7 +177,7 @@ def _group_of(weights, g, groups: int, dtype):
 
 def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
     r, dt = x_RD.shape[0], x_RD.dtype
-    mm, rows = _matmul(plan.impl), plan.window
+    mm, rows = matmul_kernel(plan.impl), plan.window
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
 
     def add_window(w, y_RD, mats, start, count, sizes):
@@ -203,7 +203,7 @@ def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
 
 def _backward(x_RD, gates_M, weights, order_M, sizes_E, dy_RD, u: int, plan: Windows):
     r, dt = x_RD.shape[0], x_RD.dtype
-    mm, contract, rows = _matmul(plan.impl), _contract(plan.impl), plan.window
+    mm, contract, rows = matmul_kernel(plan.impl), contract_kernel(plan.impl), plan.window
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
     w_dtypes = tuple(w.dtype for w in weights)
 
