@@ -81,7 +81,8 @@ def flash_backward(m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO, k_
         return jax.lax.dynamic_update_slice_in_dim(
             dq_BSHK, piece(dq_BSHK, i) + dq_i.astype(jnp.float32), i * chunk, 1)
 
-    def key_chunk(dq_BSHK, j):
+    def key_chunk(carry, j):
+        dq_BSHK, dk_BSHK, dv_BSHO = carry
         dq_j, dk_j, dv_j = pair(j, j, True)
         dq_BSHK = add_dq(dq_BSHK, j, dq_j)
 
@@ -98,15 +99,18 @@ def flash_backward(m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO, k_
         _, dq_BSHK, dk_j, dv_j = jax.lax.while_loop(
             visible, query_chunk, (j + 1, dq_BSHK, dk_j.astype(jnp.float32),
                                    dv_j.astype(jnp.float32)))
-        return dq_BSHK, (dk_j.astype(k_BSHK.dtype), dv_j.astype(v_BSHO.dtype))
+        # written in place into whole-row buffers: a stack of chunks [X, B, ...] would
+        # need a transpose back to [B, S, ...] whenever B > 1 (context parallelism)
+        dk_BSHK = jax.lax.dynamic_update_slice_in_dim(
+            dk_BSHK, dk_j.astype(dk_BSHK.dtype), j * chunk, 1)
+        dv_BSHO = jax.lax.dynamic_update_slice_in_dim(
+            dv_BSHO, dv_j.astype(dv_BSHO.dtype), j * chunk, 1)
+        return (dq_BSHK, dk_BSHK, dv_BSHO), None
 
-    dq_BSHK, (dk_XBYHK, dv_XBYHO) = jax.lax.scan(
-        key_chunk, jnp.zeros(q_BSHK.shape, jnp.float32), jnp.arange(x))
-
-    def unchunk(t_XBY):
-        return jnp.moveaxis(t_XBY, 0, 1).reshape(t_XBY.shape[1], s, *t_XBY.shape[3:])
-
-    return dq_BSHK, unchunk(dk_XBYHK), unchunk(dv_XBYHO)
+    (dq_BSHK, dk_BSHK, dv_BSHO), _ = jax.lax.scan(
+        key_chunk, (jnp.zeros(q_BSHK.shape, jnp.float32), jnp.zeros_like(k_BSHK),
+                    jnp.zeros_like(v_BSHO)), jnp.arange(x))
+    return dq_BSHK, dk_BSHK, dv_BSHO
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
