@@ -261,6 +261,10 @@ class Config:
         if 0 < m.moe_chunk_tokens < data.seq_len and data.seq_len % m.moe_chunk_tokens:
             raise ConfigError(f"model.moe_chunk_tokens: {m.moe_chunk_tokens} does not divide "
                               f"data.seq_len={data.seq_len} (0 = all tokens at once)")
+        if m.attention_context_parallel and m.n_heads % mesh.expert:
+            raise ConfigError(f"model.attention_context_parallel: model.n_heads={m.n_heads} is "
+                              f"not divisible by mesh.expert={mesh.expert} (each GPU of a node "
+                              "takes n_heads / mesh.expert heads)")
         local_experts = m.n_routed_experts // mesh.expert
         if m.moe_expert_groups and local_experts % m.moe_expert_groups:
             raise ConfigError(f"model.moe_expert_groups: {m.moe_expert_groups} does not divide "

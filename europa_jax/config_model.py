@@ -80,6 +80,11 @@ class ModelConfig:
     # positions and skips the pairs no query can see (model/flash_backward.py): short
     # documents cost their own length, not the row's. 0 = tokamax's own backward.
     attention_backward_chunk: int = 8192
+    # Context parallelism over the node (parallel/comm.py AttentionGroup): the node's GPUs
+    # compute the attention of all the node's rows together, each for n_heads / mesh.expert
+    # heads, so a GPU holding one 65,536-token document no longer sets the step; the data
+    # balancer then balances nodes, not single ranks (data/packing.py).
+    attention_context_parallel: bool = False
     # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
     # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
     loss_chunk_tokens: int = 4096

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from europa_jax.config import ModelConfig
 from europa_jax.model import flash_backward, kernels
 from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
+from europa_jax.parallel import comm
 
 
 class MLAttention(nn.Module):
@@ -36,27 +37,41 @@ class MLAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2):
+        """With `model.attention_context_parallel` under SPMD, `segment_ids_BS` and the
+        RoPE tables are the node's rows (`comm.AttentionGroup.gather_rows` of this
+        device's, done once per step by the Transformer); `x_BSD` and the output are this
+        device's rows."""
         cfg = self.cfg
         kv_rank = cfg.kv_lora_rank
         n, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        group = comm.attention_group(cfg.attention_context_parallel)
+        if segment_ids_BS.shape[0] != group.size * x_BSD.shape[0]:
+            raise ValueError(f"attention: {segment_ids_BS.shape[0]} rows of segment ids for "
+                             f"{x_BSD.shape[0]} rows of activations; with context parallelism "
+                             f"over {group.size} GPUs they are the node's rows")
         w_q_a_DQ = weight(self, "w_q_a")
-        w_q_b_QHK = weight(self, "w_q_b")
         w_kv_a_DA = weight(self, "w_kv_a")
-        w_kv_b_AHK = weight(self, "w_kv_b")
+        # this GPU's heads (all of them without context parallelism)
+        w_q_b_QHK = group.local_heads(weight(self, "w_q_b"), axis=1)
+        w_kv_b_AHK = group.local_heads(weight(self, "w_kv_b"), axis=1)
         w_o_HOD = weight(self, "w_o")
 
         q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(x_BSD @ w_q_a_DQ)
-        q_BSHK = jnp.einsum("bsq,qhk->bshk", q_latent_BSQ, w_q_b_QHK)
-        q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
-
         kv_a_BSA = x_BSD @ w_kv_a_DA
         kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
-        k_rope_BS1P = kv_a_BSA[..., None, kv_rank:]
-        kv_BSHK = jnp.einsum("bsa,ahk->bshk", kv_latent_BSA, w_kv_b_AHK)
+        k_rope_BSP = kv_a_BSA[..., kv_rank:]
+        # With context parallelism, the node's rows: gathers of the latents (2,112 values
+        # per token), never of the heads; from here on B is the node's rows and H this
+        # GPU's heads. The gathered latents are gathered again in the backward rather
+        # than kept (they would be alive through the layer's MoE backward).
+        q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK)
+        q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
+        kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK)
+        k_rope_BSP = group.gather_rows(k_rope_BSP)
         k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
 
         q_rope_BSHP = apply_rope(q_rope_BSHP, cos_BSP2, sin_BSP2)
-        k_rope_BSHP = jnp.broadcast_to(apply_rope(k_rope_BS1P, cos_BSP2, sin_BSP2),
+        k_rope_BSHP = jnp.broadcast_to(apply_rope(k_rope_BSP[..., None, :], cos_BSP2, sin_BSP2),
                                        k_nope_BSHN.shape[:-1] + (p,))
         q_BSHK = jnp.concatenate([q_nope_BSHN, q_rope_BSHP], axis=-1)
         k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
@@ -80,8 +95,32 @@ class MLAttention(nn.Module):
                                            backward_chunk=cfg.attention_backward_chunk)
         out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
-        out_BSD = jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+        # my rows, every head (and the node's rows' maxima of every head for QK-clip)
+        out_BSD = _rows_home_projected(group, out_BSHO, w_o_HOD)
+        logit_max_H = None if logit_max_H is None else group.all_heads(logit_max_H)
         return (out_BSD, logit_max_H) if self.report_logit_max else out_BSD
+
+
+def _node_heads(group: comm.AttentionGroup, latent_BSX, w_XHK):
+    """The node's rows' latents by this GPU's heads' up-projection [B·size, S, H/size, K]."""
+    if group.size == 1:
+        return jnp.einsum("bsx,xhk->bshk", latent_BSX, w_XHK)
+    return _recomputed_gather_einsum(group, latent_BSX, w_XHK, "bsx,xhk->bshk")
+
+
+def _rows_home_projected(group: comm.AttentionGroup, out_BSHO, w_o_HOD):
+    """Outputs of the node's rows × my heads → my rows × all heads, then `w_o` [B, S, D]."""
+    if group.size == 1:
+        return jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+    # recomputed in the backward from the kernel's own residual: the exchanged copy of
+    # the output is not kept for w_o's gradient (one more all-to-all, 1 GB less HBM)
+    return jax.checkpoint(lambda o, w: jnp.einsum("bsho,hod->bsd", group.rows_home(o), w),
+                          policy=jax.checkpoint_policies.nothing_saveable)(out_BSHO, w_o_HOD)
+
+
+def _recomputed_gather_einsum(group, x_local, w, spec):
+    return jax.checkpoint(lambda x, w: jnp.einsum(spec, group.gather_rows(x), w),
+                          policy=jax.checkpoint_policies.nothing_saveable)(x_local, w)
 
 
 def logit_scale(cfg: ModelConfig) -> float:

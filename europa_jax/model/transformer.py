@@ -18,6 +18,7 @@ from europa_jax.model import lm_head
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import RMSNorm, rope_tables, SwiGLU, weight
 from europa_jax.model.moe import MoE
+from europa_jax.parallel import comm
 
 
 class DecoderBlock(nn.Module):
@@ -76,12 +77,17 @@ class Transformer(nn.Module):
         cfg = self.cfg
         embedding_VD = weight(self, "embedding")
         x_BSD = embedding_VD[tokens_BS]
-        cos_BSP2, sin_BSP2 = rope_tables(positions_BS, cfg)
+        # With context parallelism attention sees the node's rows (comm.AttentionGroup):
+        # their positions and segment ids are gathered here once, not in every layer.
+        group = comm.attention_group(cfg.attention_context_parallel)
+        attention_segments_BS = group.gather_rows(segment_ids_BS)
+        cos_BSP2, sin_BSP2 = rope_tables(group.gather_rows(positions_BS), cfg)
 
         dense_stack, moe_stack = param_table.STACKS
-        x_BSD, dense = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, None,
+        x_BSD, dense = self._stack(x_BSD, attention_segments_BS, cos_BSP2, sin_BSP2, None,
                                    is_moe=False, n=cfg.n_dense_layers, stack=dense_stack)
-        x_BSD, moe = self._stack(x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE,
+        x_BSD, moe = self._stack(x_BSD, attention_segments_BS, cos_BSP2, sin_BSP2,
+                                 router_bias_LE,
                                  is_moe=True, n=cfg.n_moe_layers, stack=moe_stack)
         stats = {key: value for key, value in moe.items() if key != "attention_logit_max_H"}
         stats["attention_logit_max_LH"] = jnp.concatenate(

@@ -13,6 +13,8 @@ every byte that crosses devices is written here, with its dtype:
   a node). `dense` is `all_to_all` of the per-destination buffers (XLA:CPU has no ragged
   collective); `ragged` is `ragged_all_to_all`, which sends only the filled rows of the
   very same buffers, with no host sync of split sizes.
+- `AttentionGroup`: attention context parallelism over `expert` — the node's rows'
+  latents all-gathered, each GPU's heads' outputs all-to-all'ed back to their rows.
 
 Outside `spmd(...)` (unsharded use: tests, export parity) every function is the identity
 up to a dtype cast, so model code runs unchanged on one device.
@@ -207,3 +209,60 @@ def psum_all(x: jax.Array) -> jax.Array:
     if ctx is None:
         return x
     return jax.lax.psum(x, tuple(ctx.mesh_shape))
+
+
+# ----------------------------------------------------------------------------- attention over the node
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGroup:
+    """Attention context parallelism over `expert` (the GPUs of one node, NVLink).
+
+    The node's GPUs compute the attention of all the node's rows together, each for its
+    own slice of the heads (Ulysses-style, Jacobs et al. 2023, arXiv:2309.14509): every
+    GPU then runs the same number of unmasked query-key pairs whatever the documents, and
+    the flash kernels see whole rows, so document masks and causality are unchanged. MLA
+    makes the exchange small: a GPU needs of the other rows only their low-rank latents
+    (q 1536 + kv 512 + RoPE key 64 values per token, against 64 · 512 for the heads),
+    which it multiplies by its own heads' slice of w_q_b / w_kv_b; the outputs go back to
+    their rows' owners per head. Forward: one all-gather of the latents, one all-to-all of
+    the outputs. Backward (autodiff's transposes): an all-to-all of the output gradients
+    and a reduce-scatter of the latents' gradients. Positions and segment ids are
+    gathered once per step (transformer.py). Size 1 outside SPMD or when off.
+    """
+
+    size: int = 1
+
+    def gather_rows(self, x_B: jax.Array) -> jax.Array:
+        """The node's rows, peers in device order: [B, ...] → [size·B, ...]."""
+        if self.size == 1:
+            return x_B
+        return jax.lax.all_gather(x_B, EXPERT_AXIS, axis=0, tiled=True)
+
+    def local_heads(self, w: jax.Array, axis: int) -> jax.Array:
+        """This GPU's slice of the heads along `axis` (heads split evenly, device order)."""
+        if self.size == 1:
+            return w
+        n = w.shape[axis] // self.size
+        return jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index(EXPERT_AXIS) * n, n, axis)
+
+    def rows_home(self, out_BSHO: jax.Array) -> jax.Array:
+        """Node rows × my heads → my rows × all heads: [size·B, S, H/size, O] → [B, S, H, O]."""
+        if self.size == 1:
+            return out_BSHO
+        return jax.lax.all_to_all(out_BSHO, EXPERT_AXIS, 0, 2, tiled=True)
+
+    def all_heads(self, m_H: jax.Array) -> jax.Array:
+        """Per-head values of my heads → of every head ([H/size] → [H])."""
+        if self.size == 1:
+            return m_H
+        return jax.lax.all_gather(m_H, EXPERT_AXIS, axis=0, tiled=True)
+
+
+def attention_group(enabled: bool) -> AttentionGroup:
+    """The attention group of the SPMD context being traced: the node's GPUs when
+    `model.attention_context_parallel` is on, else (and outside SPMD) size 1."""
+    ctx = current()
+    if ctx is None or not enabled:
+        return AttentionGroup()
+    return AttentionGroup(ctx.mesh_shape.get(EXPERT_AXIS, 1))
