@@ -130,6 +130,27 @@ def test_balancing_evens_attention_cost_over_the_same_tokens(corpus):
     assert np.mean(ratios[True]) < np.mean(ratios[False]) - 0.1
 
 
+def test_node_balancing_evens_the_nodes_and_reports_both_costs(corpus):
+    """Nodes of 2 ranks: the per-node metric is the nodes' Σ length² max/mean, read from
+    the batch alone; balancing nodes lowers it below balancing ranks."""
+    by_rank = iterator(corpus, ranks_per_node=2)
+    by_node = iterator(corpus, ranks_per_node=2, balance_nodes=True)
+    node_ratios = {False: [], True: []}
+    for _ in range(2 * EPOCH_BATCHES):
+        for it, nodes in ((by_rank, False), (by_node, True)):
+            batch = next(it)
+            rank_J = rank_costs(batch)
+            assert it.stats.attention_cost_max_over_mean == pytest.approx(
+                packing.max_over_mean(rank_J))
+            node_cost = packing.rank_cost(rank_J, RANKS // 2)
+            assert it.stats.node_attention_cost_max_over_mean == pytest.approx(
+                packing.max_over_mean(node_cost))
+            node_ratios[nodes].append(it.stats.node_attention_cost_max_over_mean)
+    assert np.mean(node_ratios[True]) < np.mean(node_ratios[False])
+    with pytest.raises(DataError, match="mesh.expert: 3 ranks per node do not divide"):
+        iterator(corpus, ranks_per_node=3)
+
+
 class RecordingCorpus(TokenCorpus):
     """Remembers every token range read (the real reader underneath)."""
 

@@ -110,3 +110,25 @@ def test_pack_balanced_evens_rank_sums_with_device_major_rows():
         packing.pack(length_X, seq_len=S, n_ranks=4, balance=False).row_cost(8), in_order)
     with pytest.raises(ValueError, match="8 rows do not split evenly over 3 ranks"):
         packing.pack_balanced(length_X, seq_len=S, n_ranks=3)
+
+
+def test_balancing_nodes_puts_long_documents_on_different_nodes():
+    """8 ranks of 1 row in 2 nodes of 4: two whole-row documents and 48 of 8 tokens.
+    Balancing ranks puts the two long rows on ranks 0 and 1, one node; balancing nodes
+    (context parallelism: a node's GPUs share its rows' attention) one on each node."""
+    length_X = np.array([S, S] + [8] * 48)
+    assert length_X.sum() == 8 * S
+    long_row, short_row = S ** 2, 8 * 8 ** 2  # Σ length² of a row
+    by_rank = packing.pack(length_X, seq_len=S, n_ranks=8, balance=True).row_cost(8)
+    np.testing.assert_array_equal(packing.rank_cost(by_rank, 2),
+                                  [2 * long_row + 2 * short_row, 4 * short_row])
+    by_node = packing.pack(length_X, seq_len=S, n_ranks=8, balance=True,
+                           ranks_per_unit=4).row_cost(8)
+    np.testing.assert_array_equal(packing.rank_cost(by_node, 2), [long_row + 3 * short_row] * 2)
+    assert packing.max_over_mean(packing.rank_cost(by_node, 2)) == 1.0
+    assert packing.max_over_mean(packing.rank_cost(by_rank, 2)) == pytest.approx(
+        (2 * long_row + 2 * short_row) / (long_row + 3 * short_row))
+    # per rank both layouts have one long row on some rank: the same max/mean
+    assert packing.max_over_mean(by_node) == packing.max_over_mean(by_rank)
+    with pytest.raises(ValueError, match="8 ranks do not split into units of 3"):
+        packing.pack(length_X, seq_len=S, n_ranks=8, balance=True, ranks_per_unit=3)

@@ -114,7 +114,7 @@ def test_cli_train_writes_metrics_jsonl(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s_per_device",
                 "mfu", "expert_load_max_over_mean", "moe_dropped_fraction",
-                "attention_cost_max_over_mean"):
+                "attention_cost_max_over_mean", "node_attention_cost_max_over_mean"):
         assert all(np.isfinite(r[key]) for r in records), key
     assert records[-1]["moe_dropped_fraction"] == 0.0 and records[-1]["mfu"] > 0
     assert "step 3/3" in result.stderr  # log lines when not on a terminal

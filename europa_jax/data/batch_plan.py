@@ -36,7 +36,7 @@ class BatchPlan:
     start_Z: np.ndarray
     length_Z: np.ndarray
     row_Z: np.ndarray       # sorted; pieces of a row are in stream order
-    rank_cost_J: np.ndarray
+    rank_cost_J: np.ndarray  # Σ piece length² of each rank's rows
     source_tokens_I: np.ndarray  # tokens of each source in this batch
     source_epochs_I: np.ndarray  # epochs of each source's stream consumed by its end
 
@@ -103,9 +103,11 @@ class Planner:
     """The plan of every global batch, from the sources' streams."""
 
     def __init__(self, streams: list[Stream], weights_I, *, seq_len: int, n_rows: int,
-                 n_ranks: int, balance: bool):
+                 n_ranks: int, balance: bool, ranks_per_unit: int = 1):
+        """`ranks_per_unit`: consecutive ranks balanced together (packing.pack)."""
         self.streams, self.weights_I = streams, np.asarray(weights_I, dtype=np.float64)
         self.seq_len, self.n_rows, self.n_ranks, self.balance = seq_len, n_rows, n_ranks, balance
+        self.ranks_per_unit = ranks_per_unit
 
     def plan(self, index: int, positions: list[int], offsets: list[int]
              ) -> tuple[BatchPlan, list[int], list[int]]:
@@ -118,7 +120,7 @@ class Planner:
             parts.append((np.full(len(doc), k, np.int64), doc, start, length))
         source_X, doc_X, start_X, length_X = (np.concatenate(x) for x in zip(*parts))
         placed = packing.pack(length_X, seq_len=self.seq_len, n_ranks=self.n_ranks,
-                              balance=self.balance)
+                              balance=self.balance, ranks_per_unit=self.ranks_per_unit)
         piece_Z = placed.piece_Z
         epochs_I = np.array([p / s.n_documents for p, s in zip(positions, self.streams)])
         plan = BatchPlan(index=index, source_Z=source_X[piece_Z], doc_Z=doc_X[piece_Z],

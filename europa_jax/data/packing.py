@@ -113,8 +113,13 @@ def pack_balanced(length_X: np.ndarray, *, seq_len: int, n_ranks: int = 1) -> Pl
     return _sorted(piece, offset, length, row)
 
 
-def pack(length_X: np.ndarray, *, seq_len: int, n_ranks: int, balance: bool) -> Placement:
+def pack(length_X: np.ndarray, *, seq_len: int, n_ranks: int, balance: bool,
+         ranks_per_unit: int = 1) -> Placement:
     """The global batch layout: stream order, or balanced when that lowers the slowest rank.
+
+    `ranks_per_unit`: ranks that compute attention together (model.attention_context_parallel:
+    a node's GPUs share the attention of the node's rows), balanced as one unit — their
+    rows' Σ length² together, so a long document shares its node with light rows.
 
     LPT keeps documents whole, so when over-long documents fill whole rows it can leave
     one rank with two S² rows where stream order's arbitrary cuts would not; the step
@@ -123,9 +128,12 @@ def pack(length_X: np.ndarray, *, seq_len: int, n_ranks: int, balance: bool) -> 
     in_order = pack_in_order(length_X, seq_len=seq_len)
     if not balance:
         return in_order
-    balanced = pack_balanced(length_X, seq_len=seq_len, n_ranks=n_ranks)
+    if n_ranks % ranks_per_unit:
+        raise ValueError(f"{n_ranks} ranks do not split into units of {ranks_per_unit}")
+    units = n_ranks // ranks_per_unit
+    balanced = pack_balanced(length_X, seq_len=seq_len, n_ranks=units)
     n_rows = int(np.sum(length_X)) // seq_len
-    worst = [rank_cost(p.row_cost(n_rows), n_ranks).max() for p in (balanced, in_order)]
+    worst = [rank_cost(p.row_cost(n_rows), units).max() for p in (balanced, in_order)]
     return balanced if worst[0] <= worst[1] else in_order
 
 

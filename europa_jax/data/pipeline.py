@@ -48,7 +48,8 @@ class BatchStats:
     """Host-side facts about the batch just returned (never sent to the device)."""
 
     batch: int
-    attention_cost_max_over_mean: float
+    attention_cost_max_over_mean: float  # over ranks
+    node_attention_cost_max_over_mean: float  # over nodes (ranks_per_node consecutive ranks)
     rank_cost_J: np.ndarray   # Σ piece length² per rank (every rank holds B/J · S tokens)
     documents_split: int      # documents cut into more than one piece in this batch
     documents_Z: np.ndarray   # corpus index of each piece in this process's rows
@@ -105,8 +106,10 @@ class _PlanDataset(grain.IterDataset):
 class _ReadRows:
     """Plan → this process's rows [lo, hi): reads only those rows' tokens."""
 
-    def __init__(self, corpora: list[TokenCorpus], *, lo: int, hi: int, seq_len: int):
+    def __init__(self, corpora: list[TokenCorpus], *, lo: int, hi: int, seq_len: int,
+                 ranks_per_node: int):
         self.corpora, self.lo, self.hi, self.seq_len = corpora, lo, hi, seq_len
+        self.ranks_per_node = ranks_per_node
         self.vocab_size = int(corpora[0].manifest.tokenizer["vocab_size"])
 
     def __call__(self, plan: BatchPlan) -> dict:
@@ -141,6 +144,8 @@ class _ReadRows:
                 "stats": BatchStats(
                     batch=plan.index,
                     attention_cost_max_over_mean=packing.max_over_mean(rank_cost_J),
+                    node_attention_cost_max_over_mean=packing.max_over_mean(
+                        packing.rank_cost(rank_cost_J, len(rank_cost_J) // self.ranks_per_node)),
                     rank_cost_J=rank_cost_J,
                     documents_split=_documents_split(plan),
                     documents_Z=doc_Z, sources_Z=source_Z,
@@ -218,11 +223,20 @@ def make_batch_iterator(corpus: TokenCorpus, *, documents: np.ndarray | None = N
 def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_size: int,
                           n_ranks: int = 1, seed: int = 0, balance: bool = True,
                           max_documents: int | None = None, process_index: int = 0,
-                          process_count: int = 1, prefetch: int = 2) -> BatchIterator:
-    """This process's rows of global batches mixing `sources` by weight (batch_plan.py)."""
+                          process_count: int = 1, prefetch: int = 2, ranks_per_node: int = 1,
+                          balance_nodes: bool = False) -> BatchIterator:
+    """This process's rows of global batches mixing `sources` by weight (batch_plan.py).
+
+    `ranks_per_node`: consecutive ranks of one node (mesh.expert), for the per-node
+    attention cost; `balance_nodes`: balance nodes rather than ranks (attention context
+    parallelism: a node's GPUs share its rows' attention).
+    """
     _validate(seq_len=seq_len, global_batch_size=global_batch_size, n_ranks=n_ranks, seed=seed,
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)
+    if ranks_per_node < 1 or n_ranks % ranks_per_node:
+        raise DataError(f"mesh.expert: {ranks_per_node} ranks per node do not divide the "
+                        f"{n_ranks} ranks")
     streams, prints = [], []
     for k, source in enumerate(sources):
         # one corpus keeps the seed as it always was; the others derive theirs from it
@@ -231,14 +245,18 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
         prints.append(ident if len(sources) == 1 else {**ident, "weight": source.weight})
     shape = {"seq_len": seq_len, "global_batch_size": global_batch_size, "n_ranks": n_ranks,
              "seed": seed, "balance": balance}
+    if balance_nodes:  # only then: fingerprints of runs from before the option stay equal
+        shape["balance_nodes"] = ranks_per_node
     fingerprint = ({**prints[0], **shape} if len(sources) == 1
                    else {"sources": prints, **shape})
     planner = Planner(streams, [s.weight for s in sources], seq_len=seq_len,
-                      n_rows=global_batch_size, n_ranks=n_ranks, balance=balance)
+                      n_rows=global_batch_size, n_ranks=n_ranks, balance=balance,
+                      ranks_per_unit=ranks_per_node if balance_nodes else 1)
     rows = global_batch_size // process_count
     dataset = _PlanDataset(streams[0].order, planner, fingerprint).map(
         _ReadRows([s.corpus for s in sources], lo=process_index * rows,
-                  hi=(process_index + 1) * rows, seq_len=seq_len))
+                  hi=(process_index + 1) * rows, seq_len=seq_len,
+                  ranks_per_node=ranks_per_node))
     if prefetch:
         dataset = grain.experimental.ThreadPrefetchIterDataset(
             dataset, prefetch_buffer_size=prefetch)

@@ -135,6 +135,7 @@ def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
               "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
               "mfu": step_flops / step_time / jax.device_count() / peak,
               "attention_cost_max_over_mean": stats.attention_cost_max_over_mean,
+              "node_attention_cost_max_over_mean": stats.node_attention_cost_max_over_mean,
               "compiled": compiled}
     if len(stats.source_tokens_I) > 1:  # a mixture (data.sources): each source's share, epochs
         record["source_token_fraction"] = (stats.source_tokens_I / tokens_per_step).tolist()

@@ -197,7 +197,9 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
     "experts.png": _plot_experts,
     "attention_logits.png": _plot_attention_logits,
     "attention_balance.png": lambda run: _figure("Attention cost balance", [
-        ("attention cost max/mean", [_line(run.train, "attention_cost_max_over_mean")], False)]),
+        ("attention cost max/mean", [
+            _line(run.train, "attention_cost_max_over_mean", "per rank"),
+            _line(run.train, "node_attention_cost_max_over_mean", "per node")], False)]),
 }
 
 
