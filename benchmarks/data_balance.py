@@ -35,11 +35,10 @@ VOCAB = 262_144
 
 
 def document_lengths(n: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    web = rng.lognormal(np.log(600), 1.2, n)
-    long_tail = 4096 * (1 + rng.pareto(1.6, n))
-    lengths = np.where(rng.random(n) < 0.02, long_tail, web)
-    return np.clip(lengths, 16, 1 << 20).astype(np.int64)
+    """The long-tailed mix the plan prices attention with (plan/attention_cost.py)."""
+    from europa_jax.plan.attention_cost import long_tail_lengths
+
+    return long_tail_lengths(n, seed)
 
 
 def write_sparse_corpus(out: Path, lengths: np.ndarray) -> None:

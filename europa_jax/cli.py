@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--target", default="gh200", choices=["gh200", "h100", "h200", "cpu"],
                       help="the device the step is compiled for: a GPU (needs the `gpu` "
                       "extra; 4 GPUs per node) or cpu (XLA:CPU, the former plan)")
+    plan.add_argument("--corpus", metavar="DIR",
+                      help="price attention from this prepared corpus's document lengths "
+                      "(default: the long-tailed model of plan/attention_cost.py)")
+    plan.add_argument("--attention-batches", type=int, default=32, metavar="N",
+                      help="global batches sampled through the balancer to price attention")
     plan.add_argument("--probe-moe-layers", metavar="A,B",
                       help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
                       "config's depth")
@@ -149,6 +154,11 @@ def _plan(args: argparse.Namespace, cfg) -> int:
         if len(probes) != 2 or min(probes) < 1 or probes[0] == probes[1]:
             raise ConfigError(f"--probe-moe-layers {args.probe_moe_layers!r}: expected two "
                               "different positive layer counts, e.g. 4,6")
+    if args.attention_batches < 1:
+        raise ConfigError(f"--attention-batches {args.attention_batches}: expected >= 1")
+    if args.corpus and not (Path(args.corpus) / "manifest.json").is_file():
+        raise ConfigError(f"--corpus {args.corpus}: no manifest.json there (expected a corpus "
+                          "made by `europa-jax prepare`)")
     if args.target != "cpu" and probes:
         raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
                           "compiles the whole depth in about a minute)")
@@ -164,7 +174,8 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
     _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
     report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
-                       target=args.target)
+                       target=args.target, corpus=args.corpus,
+                       attention_batches=args.attention_batches)
     print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 

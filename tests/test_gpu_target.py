@@ -154,6 +154,23 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
     assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
 
 
+@needs_toolchain
+def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_buffer(tiny_cfg):
+    """Context parallelism on GH200: the node's rows go through tokamax's flash kernels
+    (4 rows × 1 head per GPU here), no [S, S] buffer, the latents gathered in bf16 over
+    NVLink."""
+    cfg = without_offload(gpu_cfg(tiny_cfg, attention_context_parallel=True))
+    step = compile_for_gpu(cfg)
+    facts = step["facts"]
+    flash = {k: v for k, v in facts["custom_calls"].items() if "FlashAttention" in k}
+    assert flash and sum(flash.values()) >= 2, facts["custom_calls"]
+    assert facts["dense_attention_buffers"] == []
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, step["numbers"], facts, 0, [])}
+    assert checks["attention"]["ok"]
+    assert ("all-gather", "expert", "bf16") in rows(step["numbers"])
+    assert ("all-to-all", "expert", "bf16") in rows(step["numbers"])
+
+
 def optimized_text(cfg) -> str:
     """The optimized GPU program of cfg's train step (as gpu_program.measure compiles it)."""
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
@@ -301,6 +318,13 @@ def test_plan_command_reports_the_gpu_program_as_json():
               - traffic["data_dependent_by_region"].get("optimizer update", 0))
     assert memory_s == pytest.approx(priced / (hw["hbm_bandwidth"] * hw["link_efficiency"]))
     assert r["flops"]["attention_kernels"]["one_document_per_row"]["backward"] == 1.0
+    # attention priced at the expected slowest rank of sampled batches, the worst case beside
+    a, e = r["attention"], r["estimate"]
+    assert a["slowest_unit"] == "rank" and a["batches"] == 32 and "long-tail" in a["documents"]
+    pairs = a["pairs_per_gpu"]
+    assert pairs["mean_over_gpus"] <= pairs["expected"] <= pairs["p95"] <= pairs["worst_case"]
+    assert e["worst_case"]["tokens_per_s_per_gpu_overlapped"] <= e["tokens_per_s_per_gpu"]
+    assert "expected slowest rank" in e["basis"]
 
 
 def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):

@@ -173,3 +173,10 @@ def test_bad_probe_depths_are_a_one_line_error():
                       timeout=120)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
     assert "--probe-moe-layers '3'" in result.stderr
+
+
+def test_a_corpus_that_is_not_one_is_a_one_line_error(tmp_path):
+    result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--corpus",
+                      str(tmp_path), timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert f"--corpus {tmp_path}: no manifest.json there" in result.stderr

@@ -52,7 +52,7 @@ from europa_jax.config import Config
 from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
-from europa_jax.plan import gpu_program, gpu_target, hardware
+from europa_jax.plan import attention_cost, gpu_program, gpu_target, hardware
 from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
 from europa_jax.train import qk_clip, train
@@ -93,11 +93,20 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
 
 
 def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int] | None = None,
-         machine: hardware.Hardware = hardware.GH200_JUPITER, target: str = "cpu"
+         machine: hardware.Hardware = hardware.GH200_JUPITER, target: str = "cpu",
+         corpus: str | None = None, attention_batches: int = attention_cost.DEFAULT_BATCHES
          ) -> dict[str, Any]:
     """The plan report (a JSON-able dict) for `cfg` compiled for `target`: "cpu" (as many
     fake CPU devices as its mesh) or a GPU of gpu_target.TARGETS (a topology of as many
-    compile-only GPUs, 4 per host)."""
+    compile-only GPUs, 4 per host). Attention is priced from `attention_batches` global
+    batches of `corpus`'s document lengths (a prepared corpus; default the long-tailed
+    model, attention_cost.py)."""
+    if corpus is None:
+        attention = attention_cost.slowest_pairs(cfg, batches=attention_batches)
+    else:
+        attention = attention_cost.slowest_pairs(
+            cfg, attention_cost.corpus_lengths(corpus), source=f"corpus {corpus}",
+            batches=attention_batches)
     n_moe = cfg.model.n_moe_layers
     gpu = target != "cpu"
     if (probe_moe_layers is None and not gpu and not cfg.model.scan_layers
@@ -129,7 +138,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
         compiled["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     compiled["seconds"] = time.perf_counter() - start
     out = report(cfg, name, state, replicated_params(state, mesh), numbers, largest, compiled,
-                 machine, target=target)
+                 machine, target=target, attention=attention)
     if facts is not None:
         host_state = sum(k.get("pinned_host", 0) for k in state_bytes(state).values())
         out["kernels"] = gpu_program.kernel_checks(cfg, numbers, facts, host_state,
@@ -185,7 +194,7 @@ def _xla(numbers: dict[str, float], prefix: str) -> dict[str, float]:
 
 def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[str, float],
            largest: dict[str, list[dict]], compiled: dict, machine: hardware.Hardware,
-           target: str = "cpu") -> dict[str, Any]:
+           target: str = "cpu", attention: dict[str, Any] | None = None) -> dict[str, Any]:
     n_dev = cfg.mesh.n_devices
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     held = state_bytes(state)
@@ -213,14 +222,23 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
             # can change with depth: a step needs at least what each of its phases needs.
             step_device = max(step_device, fb_device, update_device)
 
-    # Analytic FLOPs assume one document per row: full causal attention (the worst case,
-    # and the common one at 65,536 tokens per row, see benchmarks/data_balance.py).
-    pairs = cfg.data.global_batch_size * cfg.data.seq_len * (cfg.data.seq_len + 1) // 2
-    model_flops = flops.train_flops(cfg.model, tokens, pairs) / n_dev
+    # Analytic FLOPs of the GPU the step waits for: every GPU's matmuls, and the attention
+    # pairs of the slowest rank or node (attention_cost.py) — expected over sampled
+    # batches; p95 and the worst case (one document per row) beside it.
+    if attention is None:
+        attention = attention_cost.slowest_pairs(cfg)
+    gpu_pairs = attention["pairs_per_gpu"]
+
+    def model_flops_at(pairs_per_gpu: float) -> float:
+        return flops.train_flops(cfg.model, tokens, pairs_per_gpu * n_dev) / n_dev
+
+    model_flops = model_flops_at(gpu_pairs["expected"])
+    attention_flops = {k: model_flops_at(v) - model_flops_at(0.0) for k, v in gpu_pairs.items()}
     recompute = (numbers["flops/hlo_loss"] / numbers["flops/hlo_loss_no_remat"]
                  if numbers.get("flops/hlo_loss_no_remat") else 1.0)
     optimizer_flops = numbers.get("flops/optimizer", 0.0)
     executed = model_flops * recompute + optimizer_flops
+    executed_worst = model_flops_at(gpu_pairs["worst_case"]) * recompute + optimizer_flops
     step_rows = _rows(numbers, "collective/step", machine, cfg.mesh.expert)
     partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg.mesh.expert)
     gpu_rows = _rows(numbers, "collective/compiled", machine, cfg.mesh.expert)
@@ -243,6 +261,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
                                  tokens_per_device=tokens / n_dev, machine=machine,
                                  kernel_bytes=numbers.get("hbm/non_gemm_priced", 0.0))
     as_compiled = estimate(executed, rows=charged)
+    worst_case = estimate(executed_worst, rows=charged,
+                          model_flops=model_flops_at(gpu_pairs["worst_case"]))
     fits = (hbm_peak is not None and hbm_peak <= budget["hbm_bytes"]
             and host_peak is not None and host_peak <= budget["host_bytes"])
     budget["host_bytes_strict"] = hardware.HOST_BYTES_STRICT  # 120 GB per node, 30 per GPU
@@ -263,6 +283,9 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         "memory": memory,
         "flops": {"model": model_flops, "recompute_factor": recompute,
                   "optimizer": optimizer_flops, "executed": executed,
+                  "executed_worst_case": executed_worst,
+                  # of the model FLOPs: the slowest GPU's attention pairs × 6 per layer/head
+                  "attention_per_gpu": attention_flops,
                   "attention_kernels": attention_kernels(cfg),
                   "hlo_matmul_loss": numbers.get("flops/hlo_loss"),
                   "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
@@ -272,9 +295,15 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         "hbm_traffic": None,
         # analytic (the compiled numbers above include it): MuonClip's measurement and clip
         "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev),
+        "attention": attention,
         "estimate": {
+            # at the expected slowest GPU's attention (attention_cost.py)
             "tokens_per_s_per_gpu": as_compiled["tokens_per_s_per_gpu_overlapped"],
+            "basis": f"attention of the expected slowest {attention['slowest_unit']} over "
+                     f"{attention['batches']} sampled batches ({attention['documents']})",
             "as_compiled": as_compiled,
+            # every row one document: the bound no batch can exceed
+            "worst_case": worst_case,
             # what the same step would take if the optimizer update stayed on each shard
             "update_kept_local": None if gpu else estimate(model_flops * recompute,
                                                            rows=step_rows),

@@ -63,10 +63,10 @@ def _flop(x: float) -> str:
     return f"{x / 1e12:>12,.1f} TFLOP" if x >= 1e11 else f"{x / 1e9:>12,.3f} GFLOP"
 
 
-def _flops(f: dict[str, Any]) -> list[str]:
+def _flops(f: dict[str, Any], attention: dict[str, Any] | None = None) -> list[str]:
     pf = _flop
     lines = ["FLOPs per device per step",
-             f"  {'model: 6·N per token + causal attention (one document per row)':<66}"
+             f"  {'model: 6·N per token + attention of the slowest GPU (expected)':<66}"
              f"{pf(f['model'])}",
              f"  {'× recompute (HLO matmuls, this activation policy ÷ no remat)':<66}"
              f"{f['recompute_factor']:>12.3f}",
@@ -78,8 +78,17 @@ def _flops(f: dict[str, Any]) -> list[str]:
         one, many = kernels["one_document_per_row"], kernels["64_documents_per_row"]
         lines.append(f"  attention kernels run, of a causal row's pairs (forward / backward, "
                      f"backward chunk {kernels['backward_chunk'] or 'none'}): one document "
-                     f"{one['forward']:.3f} / {one['backward']:.3f} (the estimate's), "
+                     f"{one['forward']:.3f} / {one['backward']:.3f}, "
                      f"64 documents {many['forward']:.3f} / {many['backward']:.3f}")
+    if attention and f.get("attention_per_gpu"):
+        a, at = attention, f["attention_per_gpu"]
+        lines += [f"  attention of the slowest {a['slowest_unit']}, per GPU: expected "
+                  f"{pf(at['expected']).strip()}, p95 {pf(at['p95']).strip()}, worst case (one "
+                  f"document per row) {pf(at['worst_case']).strip()}; mean over GPUs "
+                  f"{pf(at['mean_over_gpus']).strip()}",
+                  f"    cost max/mean per rank {a['cost_max_over_mean']['per_rank']:.2f}, per "
+                  f"node {a['cost_max_over_mean']['per_node']:.2f}; {a['batches']} global "
+                  f"batches through the balancer, documents: {a['documents']}"]
     if f["xla_cost_analysis"] is not None:
         lines.append(f"  {'(XLA:CPU cost_analysis counts each loop body once: not a total)':<66}"
                      f"{pf(f['xla_cost_analysis'])}")
@@ -202,7 +211,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines += [""] + _kernels(r["kernels"])
         if r.get("hbm_traffic"):
             lines += [""] + _hbm_traffic(r["hbm_traffic"])
-    lines += [""] + _flops(r["flops"])
+    lines += [""] + _flops(r["flops"], r.get("attention"))
     if r.get("qk_clip"):
         lines += _qk_clip(r["qk_clip"])
     by_source = lambda source: [row for row in r["collectives"] if row["source"] == source]
@@ -222,7 +231,10 @@ def format_report(r: dict[str, Any]) -> str:
               f"{hw['link_efficiency']:.0%} of NVLink {hw['nvlink_pair_bandwidth'] / 1e9:.0f} GB/s "
               f"per peer, InfiniBand {hw['network_bandwidth'] / 1e9:.0f} GB/s, C2C "
               f"{hw['c2c_bandwidth'] / 1e9:.0f} GB/s"]
-    lines += _estimate(r["estimate"]["as_compiled"], "as compiled")
+    lines += _estimate(r["estimate"]["as_compiled"], "as compiled, at the expected slowest "
+                       "GPU's attention")
+    if r["estimate"].get("worst_case"):
+        lines += _estimate(r["estimate"]["worst_case"], "worst case (every row one document)")
     if r["estimate"]["update_kept_local"]:
         lines += _estimate(r["estimate"]["update_kept_local"],
                            "if the optimizer update stayed on each shard (no partitioner "

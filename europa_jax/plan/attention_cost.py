@@ -1,0 +1,135 @@
+"""The attention the slowest GPU runs per step, from a distribution of document lengths.
+
+Every GPU holds the same tokens, but document-masked attention costs Σ L(L+1)/2 query-key
+pairs per row, and the step waits for the GPU with the most. Which GPU that is, and how
+much it holds, depends on the documents of the batch and on the balancer, so the plan
+samples global batches: a stream of document lengths (a prepared corpus's, from its
+offsets, or the long-tailed model below) is cut into global batches of B·S tokens as the
+input pipeline cuts it (a document that does not fit opens the next batch), each batch is
+laid out by the real balancer (data/packing.py, as `data.balance` says), and the slowest
+*unit* is read off: a rank, or with `model.attention_context_parallel` a node, whose
+GPUs share its rows' pairs evenly (parallel/comm.py AttentionGroup).
+
+Reported per GPU of the slowest unit: pairs expected (mean over batches), p95 and the
+worst case (every row one document: S(S+1)/2 per row), beside the mean over all GPUs
+(perfect balance).
+
+Shape suffixes (europa_jax/__init__.py): W documents, Z placed pieces, B rows, J ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from europa_jax.config import Config
+from europa_jax.data import packing
+
+# The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
+# median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
+# 1M: books, code, papers). Mean ≈ 1,400 tokens; ~44 % of the tokens are in long documents.
+LONG_TAIL = ("long-tail model: 98 % log-normal (median 600 tokens, sigma 1.2), "
+             "2 % Pareto from 4,096 tokens (alpha 1.6, cap 1,048,576)")
+DEFAULT_BATCHES = 32
+
+
+def long_tail_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """`n` document lengths of the long-tailed model (LONG_TAIL) [W] int64."""
+    rng = np.random.default_rng(seed)
+    web_W = rng.lognormal(np.log(600), 1.2, n)
+    long_W = 4096 * (1 + rng.pareto(1.6, n))
+    lengths_W = np.where(rng.random(n) < 0.02, long_W, web_W)
+    return np.clip(lengths_W, 16, 1 << 20).astype(np.int64)
+
+
+def corpus_lengths(path: str | Path) -> np.ndarray:
+    """Every document length of a prepared corpus (its offsets files; no tokens read)."""
+    from europa_jax.data.corpus import TokenCorpus
+
+    corpus = TokenCorpus(path)
+    return corpus.lengths(np.arange(len(corpus), dtype=np.int64)).astype(np.int64)
+
+
+def global_batches(lengths_W: np.ndarray, batch_tokens: int, n: int, seed: int = 0):
+    """Piece lengths of `n` consecutive global batches of a shuffled document stream (the
+    stream repeats, reshuffled, when it runs out), each exactly `batch_tokens`."""
+    rng = np.random.default_rng(seed)
+    stream_W = rng.permutation(lengths_W)
+    position, carry = 0, 0  # carry: the rest of a document cut at the last batch
+    for _ in range(n):
+        pieces, need = [], batch_tokens
+        if carry:
+            take = min(carry, need)
+            pieces.append(take)
+            carry, need = carry - take, need - take
+        while need:
+            if position == len(stream_W):
+                stream_W, position = rng.permutation(lengths_W), 0
+            ends_W = np.cumsum(stream_W[position:])
+            k = int(np.searchsorted(ends_W, need))  # first document that reaches `need`
+            if k == len(ends_W):
+                pieces.extend(stream_W[position:].tolist())
+                need -= int(ends_W[-1])
+                position = len(stream_W)
+                continue
+            pieces.extend(stream_W[position:position + k].tolist())
+            last = int(stream_W[position + k])
+            took = need - (int(ends_W[k - 1]) if k else 0)
+            pieces.append(took)
+            carry, need, position = last - took, 0, position + k + 1
+        yield np.asarray(pieces, dtype=np.int64)
+
+
+def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_unit: int,
+               balance: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(pairs per rank [J], pairs per GPU of each unit [J / ranks_per_unit]) of one global
+    batch as the balancer lays it out."""
+    placed = packing.pack(length_X, seq_len=seq_len, n_ranks=n_ranks, balance=balance,
+                          ranks_per_unit=ranks_per_unit)
+    n_rows = int(length_X.sum()) // seq_len
+    length_Z = placed.length_Z.astype(np.float64)
+    pairs_B = np.bincount(placed.row_Z, weights=length_Z * (length_Z + 1) / 2, minlength=n_rows)
+    rank_J = packing.rank_cost(pairs_B, n_ranks)
+    return rank_J, packing.rank_cost(rank_J, n_ranks // ranks_per_unit) / ranks_per_unit
+
+
+def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = LONG_TAIL,
+                  batches: int = DEFAULT_BATCHES, seed: int = 0,
+                  context_parallel: bool | None = None) -> dict[str, Any]:
+    """Attention pairs per GPU of the slowest unit per step, over `batches` sampled global
+    batches of `cfg`'s layout (the module docstring). `lengths_W`: the documents (default:
+    enough of the long-tailed model for every batch); `context_parallel`: as the config's
+    model says unless given (benchmarks compare both)."""
+    seq, rows, ranks = cfg.data.seq_len, cfg.data.global_batch_size, cfg.mesh.n_devices
+    if context_parallel is None:
+        context_parallel = cfg.model.attention_context_parallel
+    unit = cfg.mesh.expert if context_parallel else 1
+    if lengths_W is None:
+        lengths_W = long_tail_lengths(int(batches * rows * seq / 1300) + 1, seed)
+    slowest, mean, rank_ratio, node_ratio = [], [], [], []
+    for length_X in global_batches(lengths_W, rows * seq, batches, seed):
+        rank_J, unit_U = unit_pairs(length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
+                                    balance=cfg.data.balance)
+        slowest.append(unit_U.max())
+        mean.append(rank_J.mean())
+        rank_ratio.append(packing.max_over_mean(rank_J))
+        node_ratio.append(packing.max_over_mean(
+            packing.rank_cost(rank_J, ranks // cfg.mesh.expert)))
+    slowest = np.asarray(slowest)
+    per_rank_rows = rows // ranks
+    return {
+        "documents": source, "batches": batches,
+        "slowest_unit": "node" if unit > 1 else "rank",
+        "balance": cfg.data.balance,
+        "pairs_per_gpu": {
+            "expected": float(slowest.mean()),
+            "p95": float(np.percentile(slowest, 95)),
+            "max_sampled": float(slowest.max()),
+            "worst_case": float(per_rank_rows * seq * (seq + 1) / 2),
+            "mean_over_gpus": float(np.mean(mean)),
+        },
+        "cost_max_over_mean": {"per_rank": float(np.mean(rank_ratio)),
+                               "per_node": float(np.mean(node_ratio))},
+    }

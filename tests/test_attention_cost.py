@@ -1,0 +1,79 @@
+"""The plan's attention pricing (plan/attention_cost.py): batches cut from a document
+stream as the pipeline cuts them, laid out by the real balancer, the slowest rank or node."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from europa_jax.config import MeshConfig
+from europa_jax.data.corpus import CorpusWriter
+from europa_jax.plan import attention_cost
+
+S = 64
+
+
+def test_global_batches_are_exact_and_continue_the_cut_document():
+    lengths_W = np.array([100, 30, 7, 200, 64, 1])
+    batches = list(attention_cost.global_batches(lengths_W, 128, 6, seed=3))
+    assert all(b.sum() == 128 for b in batches) and all((b > 0).all() for b in batches)
+    # the stream's tokens in order: every document whole once per epoch (402 tokens), a
+    # cut document's rest opening the next batch
+    stream = np.random.default_rng(3).permutation(lengths_W)
+    first_epoch = np.concatenate(batches)
+    ends = np.cumsum(first_epoch)
+    doc_ends = np.cumsum(stream)
+    assert set(doc_ends.tolist()) <= set(ends.tolist())  # pieces tile the documents
+
+
+def test_unit_pairs_of_a_known_batch():
+    """8 ranks in 2 nodes, 1 row each: two whole-row documents and 48 of 8 tokens."""
+    length_X = np.array([S, S] + [8] * 48)
+    long_row, short_row = S * (S + 1) / 2, 8 * 8 * 9 / 2
+    rank_J, unit_U = attention_cost.unit_pairs(length_X, seq_len=S, n_ranks=8,
+                                               ranks_per_unit=1, balance=True)
+    assert sorted(rank_J) == [short_row] * 6 + [long_row] * 2
+    np.testing.assert_array_equal(unit_U, rank_J)
+    _, node_U = attention_cost.unit_pairs(length_X, seq_len=S, n_ranks=8, ranks_per_unit=4,
+                                          balance=True)
+    np.testing.assert_array_equal(node_U, [(long_row + 3 * short_row) / 4] * 2)
+
+
+def cfg_of(tiny_cfg, *, rows=32, data=4, expert=4, balance=True):
+    return dataclasses.replace(
+        tiny_cfg, mesh=MeshConfig(data=data, expert=expert),
+        data=dataclasses.replace(tiny_cfg.data, global_batch_size=rows, balance=balance))
+
+
+def test_whole_row_documents_make_the_expected_the_worst_case(tiny_cfg):
+    cfg = cfg_of(tiny_cfg)
+    for cp in (False, True):
+        r = attention_cost.slowest_pairs(cfg, np.full(50, S), batches=4, context_parallel=cp)
+        pairs = r["pairs_per_gpu"]
+        assert pairs["expected"] == pairs["worst_case"] == 2 * S * (S + 1) / 2
+        assert r["slowest_unit"] == ("node" if cp else "rank")
+
+
+def test_context_parallelism_lowers_the_slowest_gpu_of_the_long_tail(tiny_cfg):
+    cfg = cfg_of(tiny_cfg, rows=64, data=8)
+    lengths_W = attention_cost.long_tail_lengths(4000, seed=1) // 40 + 1  # rows of 64
+    by_rank = attention_cost.slowest_pairs(cfg, lengths_W, batches=8, context_parallel=False)
+    by_node = attention_cost.slowest_pairs(cfg, lengths_W, batches=8, context_parallel=True)
+    r, n = by_rank["pairs_per_gpu"], by_node["pairs_per_gpu"]
+    # the same tokens (pieces are cut at other row ends: a few pairs apart)
+    assert r["mean_over_gpus"] == pytest.approx(n["mean_over_gpus"], rel=1e-3)
+    assert n["mean_over_gpus"] <= n["expected"] < r["expected"] <= r["worst_case"]
+    assert by_node["cost_max_over_mean"]["per_node"] < by_rank["cost_max_over_mean"]["per_node"]
+    # without balancing the slowest rank is never lighter
+    unbalanced = attention_cost.slowest_pairs(cfg_of(tiny_cfg, rows=64, data=8, balance=False),
+                                              lengths_W, batches=8, context_parallel=False)
+    assert unbalanced["pairs_per_gpu"]["expected"] >= r["expected"]
+
+
+def test_a_corpus_s_lengths_are_read_from_its_offsets(tmp_path):
+    with CorpusWriter(tmp_path / "c", vocab_size=300) as writer:
+        for n in (5, 17, 3):
+            writer.add(np.arange(n) % 300)
+        writer.commit(tokenizer={"kind": "bytes", "name": "synthetic", "sha256": None,
+                                 "vocab_size": 300, "eos_id": 0})
+    np.testing.assert_array_equal(attention_cost.corpus_lengths(tmp_path / "c"), [5, 17, 3])
