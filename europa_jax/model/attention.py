@@ -7,6 +7,10 @@ dims, O value head dims; X blocks of the sequence, Y positions in one.
 Every kernel can also report each head's largest pre-softmax logit (scale · q·k over the
 visible, non-padding pairs) for QK-clip (qk_clip.py): the blockwise kernel's running max,
 tokamax's softmax residual — both already computed, so the report costs no FLOPs.
+
+With `model.attention_context_parallel` the node's GPUs share the attention of the node's
+rows, each for its slice of the heads (parallel/comm.py AttentionGroup): the layer's
+projections and output stay on this device's rows, the kernels run on the node's.
 """
 
 from __future__ import annotations
@@ -62,8 +66,7 @@ class MLAttention(nn.Module):
         k_rope_BSP = kv_a_BSA[..., kv_rank:]
         # With context parallelism, the node's rows: gathers of the latents (2,112 values
         # per token), never of the heads; from here on B is the node's rows and H this
-        # GPU's heads. The gathered latents are gathered again in the backward rather
-        # than kept (they would be alive through the layer's MoE backward).
+        # GPU's heads.
         q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK)
         q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
         kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK)
@@ -94,6 +97,8 @@ class MLAttention(nn.Module):
                                            return_logit_max=self.report_logit_max,
                                            backward_chunk=cfg.attention_backward_chunk)
         out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
+        # (with context parallelism the name is on the node's rows × my heads: the same
+        # bytes, and what the backward needs)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
         # my rows, every head (and the node's rows' maxima of every head for QK-clip)
         out_BSD = _rows_home_projected(group, out_BSHO, w_o_HOD)
@@ -105,7 +110,10 @@ def _node_heads(group: comm.AttentionGroup, latent_BSX, w_XHK):
     """The node's rows' latents by this GPU's heads' up-projection [B·size, S, H/size, K]."""
     if group.size == 1:
         return jnp.einsum("bsx,xhk->bshk", latent_BSX, w_XHK)
-    return _recomputed_gather_einsum(group, latent_BSX, w_XHK, "bsx,xhk->bshk")
+    # the gathered latents are w's gradient's operand: gathered again in the backward
+    # (nothing saved but this device's latents), not kept through the layer's backward
+    return jax.checkpoint(lambda x, w: jnp.einsum("bsx,xhk->bshk", group.gather_rows(x), w),
+                          policy=jax.checkpoint_policies.nothing_saveable)(latent_BSX, w_XHK)
 
 
 def _rows_home_projected(group: comm.AttentionGroup, out_BSHO, w_o_HOD):
@@ -116,11 +124,6 @@ def _rows_home_projected(group: comm.AttentionGroup, out_BSHO, w_o_HOD):
     # the output is not kept for w_o's gradient (one more all-to-all, 1 GB less HBM)
     return jax.checkpoint(lambda o, w: jnp.einsum("bsho,hod->bsd", group.rows_home(o), w),
                           policy=jax.checkpoint_policies.nothing_saveable)(out_BSHO, w_o_HOD)
-
-
-def _recomputed_gather_einsum(group, x_local, w, spec):
-    return jax.checkpoint(lambda x, w: jnp.einsum(spec, group.gather_rows(x), w),
-                          policy=jax.checkpoint_policies.nothing_saveable)(x_local, w)
 
 
 def logit_scale(cfg: ModelConfig) -> float:

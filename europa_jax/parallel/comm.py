@@ -211,7 +211,7 @@ def psum_all(x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, tuple(ctx.mesh_shape))
 
 
-# ----------------------------------------------------------------------------- attention over the node
+# ----------------------------------------------------------------------------- attention, node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +247,8 @@ class AttentionGroup:
         return jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index(EXPERT_AXIS) * n, n, axis)
 
     def rows_home(self, out_BSHO: jax.Array) -> jax.Array:
-        """Node rows × my heads → my rows × all heads: [size·B, S, H/size, O] → [B, S, H, O]."""
+        """Node rows × my heads → my rows × all heads: [size·B, S, H/size, O] → [B, S, H, O]
+        (row block j to peer j, its head blocks concatenated in device order)."""
         if self.size == 1:
             return out_BSHO
         return jax.lax.all_to_all(out_BSHO, EXPERT_AXIS, 0, 2, tiled=True)

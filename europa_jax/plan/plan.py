@@ -11,9 +11,11 @@ fake mesh of XLA:CPU devices with the config's device count and read four ways:
   widens bf16 buffers to f32, runs the blocked expert matmul instead of ragged_dot, and
   ignores memory kinds — so host-resident state and offloaded activations (read from
   the step's jaxpr) are taken out of its device numbers here;
-- FLOPs: analytic (flops.py) × the recompute the activation policy adds (measured from
-  the HLO's matmuls with and without remat), plus the optimizer's matmuls as the SPMD
-  partitioner laid them out (read from the update compiled alone);
+- FLOPs: analytic (flops.py; attention at the pairs of the expected slowest rank or
+  node of sampled global batches, attention_cost.py) × the recompute the activation
+  policy adds (measured from the HLO's matmuls with and without remat), plus the
+  optimizer's matmuls as the SPMD partitioner laid them out (read from the update
+  compiled alone);
 - collectives: every one of the lowered step with its wire dtype (hlo_report), plus the
   ones the SPMD partitioner adds outside the shard_map (the optimizer update).
 
