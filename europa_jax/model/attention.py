@@ -53,28 +53,31 @@ class MLAttention(nn.Module):
             raise ValueError(f"attention: {segment_ids_BS.shape[0]} rows of segment ids for "
                              f"{x_BSD.shape[0]} rows of activations; with context parallelism "
                              f"over {group.size} GPUs they are the node's rows")
+        # (in this order: flax draws each parameter's initial values in creation order)
         w_q_a_DQ = weight(self, "w_q_a")
+        w_q_b_QHK = weight(self, "w_q_b")
         w_kv_a_DA = weight(self, "w_kv_a")
-        # this GPU's heads (all of them without context parallelism)
-        w_q_b_QHK = group.local_heads(weight(self, "w_q_b"), axis=1)
-        w_kv_b_AHK = group.local_heads(weight(self, "w_kv_b"), axis=1)
+        w_kv_b_AHK = weight(self, "w_kv_b")
         w_o_HOD = weight(self, "w_o")
+        # this GPU's heads (all of them without context parallelism)
+        w_q_b_QHK = group.local_heads(w_q_b_QHK, axis=1)
+        w_kv_b_AHK = group.local_heads(w_kv_b_AHK, axis=1)
 
-        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(x_BSD @ w_q_a_DQ)
-        kv_a_BSA = x_BSD @ w_kv_a_DA
-        kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
-        k_rope_BSP = kv_a_BSA[..., kv_rank:]
         # With context parallelism, the node's rows: gathers of the latents (2,112 values
         # per token), never of the heads; from here on B is the node's rows and H this
         # GPU's heads.
+        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(x_BSD @ w_q_a_DQ)
         q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK)
         q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
+
+        kv_a_BSA = x_BSD @ w_kv_a_DA
+        kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
+        k_rope_BS1P = group.gather_rows(kv_a_BSA[..., None, kv_rank:])
         kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK)
-        k_rope_BSP = group.gather_rows(k_rope_BSP)
         k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
 
         q_rope_BSHP = apply_rope(q_rope_BSHP, cos_BSP2, sin_BSP2)
-        k_rope_BSHP = jnp.broadcast_to(apply_rope(k_rope_BSP[..., None, :], cos_BSP2, sin_BSP2),
+        k_rope_BSHP = jnp.broadcast_to(apply_rope(k_rope_BS1P, cos_BSP2, sin_BSP2),
                                        k_nope_BSHN.shape[:-1] + (p,))
         q_BSHK = jnp.concatenate([q_nope_BSHN, q_rope_BSHP], axis=-1)
         k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
