@@ -17,13 +17,12 @@ def test_global_batches_are_exact_and_continue_the_cut_document():
     lengths_W = np.array([100, 30, 7, 200, 64, 1])
     batches = list(attention_cost.global_batches(lengths_W, 128, 6, seed=3))
     assert all(b.sum() == 128 for b in batches) and all((b > 0).all() for b in batches)
-    # the stream's tokens in order: every document whole once per epoch (402 tokens), a
-    # cut document's rest opening the next batch
-    stream = np.random.default_rng(3).permutation(lengths_W)
-    first_epoch = np.concatenate(batches)
-    ends = np.cumsum(first_epoch)
-    doc_ends = np.cumsum(stream)
-    assert set(doc_ends.tolist()) <= set(ends.tolist())  # pieces tile the documents
+    # every epoch holds each document whole once (402 tokens): the pieces of the first
+    # epoch's 402 tokens tile its documents, a cut document's rest opening the next batch
+    ends = set(np.cumsum(np.concatenate(batches)).tolist())
+    assert 402 in ends  # the epoch boundary
+    first_epoch = np.random.default_rng((3, 0)).permutation(len(lengths_W))
+    assert set(np.cumsum(lengths_W[first_epoch]).tolist()) <= ends
 
 
 def test_unit_pairs_of_a_known_batch():

@@ -56,34 +56,43 @@ class Stream:
 
     def chunk(self, need: int, position: int, offset: int):
         """Pieces covering the next `need` stream tokens from (position, offset), and the end."""
-        docs, starts, lengths = [], [], []
-        while need:
-            # Fetch a little more than the expected number of documents in one go.
-            block = min(1 << 16, int(need / self.mean_length * 1.1) + 8)
-            ids = np.array([self.order[i] for i in range(position, position + block)],
-                           dtype=np.int64)
-            start = np.zeros(block, dtype=np.int64)
-            start[0] = offset
-            avail = self.corpus.lengths(ids) - start
-            cum = np.cumsum(avail)
-            k = int(np.searchsorted(cum, need))  # first document that reaches `need`
-            if k == block:  # the block did not cover the chunk: take it all, fetch more
-                docs.append(ids), starts.append(start), lengths.append(avail)
-                need -= int(cum[-1])
-                position, offset = position + block, 0
-                continue
-            take = avail[:k + 1].copy()
-            take[k] = need - (int(cum[k - 1]) if k else 0)
-            docs.append(ids[:k + 1]), starts.append(start[:k + 1]), lengths.append(take)
-            if take[k] == avail[k]:
-                position, offset = position + k + 1, 0
-            else:  # the rest of document k opens the next chunk
-                position, offset = position + k, int(start[k] + take[k])
-            need = 0
-        empty = np.zeros(0, np.int64)
-        return (np.concatenate(docs) if docs else empty,
-                np.concatenate(starts) if starts else empty,
-                np.concatenate(lengths) if lengths else empty, position, offset)
+        return stream_chunk(lambda i: self.order[i], self.corpus.lengths, self.mean_length,
+                            need, position, offset)
+
+
+def stream_chunk(document_at, lengths_of, mean_length: float, need: int, position: int,
+                 offset: int):
+    """(documents, starts, lengths of the pieces covering the next `need` tokens of a
+    document stream from (position, offset), and the position and offset after them).
+    `document_at(i)`: the stream's i-th document; `lengths_of(docs)`: their lengths."""
+    docs, starts, lengths = [], [], []
+    while need:
+        # Fetch a little more than the expected number of documents in one go.
+        block = min(1 << 16, int(need / mean_length * 1.1) + 8)
+        ids = np.array([document_at(i) for i in range(position, position + block)],
+                       dtype=np.int64)
+        start = np.zeros(block, dtype=np.int64)
+        start[0] = offset
+        avail = lengths_of(ids) - start
+        cum = np.cumsum(avail)
+        k = int(np.searchsorted(cum, need))  # first document that reaches `need`
+        if k == block:  # the block did not cover the chunk: take it all, fetch more
+            docs.append(ids), starts.append(start), lengths.append(avail)
+            need -= int(cum[-1])
+            position, offset = position + block, 0
+            continue
+        take = avail[:k + 1].copy()
+        take[k] = need - (int(cum[k - 1]) if k else 0)
+        docs.append(ids[:k + 1]), starts.append(start[:k + 1]), lengths.append(take)
+        if take[k] == avail[k]:
+            position, offset = position + k + 1, 0
+        else:  # the rest of document k opens the next chunk
+            position, offset = position + k, int(start[k] + take[k])
+        need = 0
+    empty = np.zeros(0, np.int64)
+    return (np.concatenate(docs) if docs else empty,
+            np.concatenate(starts) if starts else empty,
+            np.concatenate(lengths) if lengths else empty, position, offset)
 
 
 def shares(weights_I: np.ndarray, batch: int, batch_tokens: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 
 from europa_jax.config import Config
 from europa_jax.data import packing
+from europa_jax.data.batch_plan import stream_chunk
 
 # The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
 # median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
@@ -54,32 +55,22 @@ def corpus_lengths(path: str | Path) -> np.ndarray:
 
 def global_batches(lengths_W: np.ndarray, batch_tokens: int, n: int, seed: int = 0):
     """Piece lengths of `n` consecutive global batches of a shuffled document stream (the
-    stream repeats, reshuffled, when it runs out), each exactly `batch_tokens`."""
-    rng = np.random.default_rng(seed)
-    stream_W = rng.permutation(lengths_W)
-    position, carry = 0, 0  # carry: the rest of a document cut at the last batch
+    stream repeats, reshuffled, when it runs out), each exactly `batch_tokens`, cut as the
+    input pipeline cuts them (batch_plan.stream_chunk)."""
+    epochs: dict[int, np.ndarray] = {}
+
+    def document_at(i: int) -> int:
+        epoch, k = divmod(i, len(lengths_W))
+        if epoch not in epochs:
+            epochs[epoch] = np.random.default_rng((seed, epoch)).permutation(len(lengths_W))
+        return int(epochs[epoch][k])
+
+    mean = max(1.0, float(np.mean(lengths_W)))
+    position = offset = 0
     for _ in range(n):
-        pieces, need = [], batch_tokens
-        if carry:
-            take = min(carry, need)
-            pieces.append(take)
-            carry, need = carry - take, need - take
-        while need:
-            if position == len(stream_W):
-                stream_W, position = rng.permutation(lengths_W), 0
-            ends_W = np.cumsum(stream_W[position:])
-            k = int(np.searchsorted(ends_W, need))  # first document that reaches `need`
-            if k == len(ends_W):
-                pieces.extend(stream_W[position:].tolist())
-                need -= int(ends_W[-1])
-                position = len(stream_W)
-                continue
-            pieces.extend(stream_W[position:position + k].tolist())
-            last = int(stream_W[position + k])
-            took = need - (int(ends_W[k - 1]) if k else 0)
-            pieces.append(took)
-            carry, need, position = last - took, 0, position + k + 1
-        yield np.asarray(pieces, dtype=np.int64)
+        _, _, piece_lengths, position, offset = stream_chunk(
+            document_at, lambda ids: lengths_W[ids], mean, batch_tokens, position, offset)
+        yield piece_lengths
 
 
 def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_unit: int,
