@@ -34,13 +34,33 @@ class MeshConfig:
     expert: int = 1
     # Expert groups spanning nodes put the MoE all-to-all on InfiniBand: refused unless set.
     allow_cross_node_experts: bool = False
+    # Devices of one node (JUPITER: 4 GH200). An expert axis wider than this spans
+    # `expert_nodes` nodes: its routing must then be node-limited along node boundaries
+    # (Config checks) and attention context parallelism stays inside each node. The plan
+    # lays its GPU topology out with this many GPUs per host.
+    devices_per_node: int = 4
 
     def __post_init__(self):
-        _positive(self, "data", "expert")
+        _positive(self, "data", "expert", "devices_per_node")
+        # (whether a group really crosses nodes is known from the processes: sharding.py)
+        if self.expert > self.devices_per_node and self.expert % self.devices_per_node:
+            raise ConfigError(
+                f"mesh.expert: {self.expert} spans nodes but is not a multiple of "
+                f"mesh.devices_per_node={self.devices_per_node} (whole nodes per group)")
 
     @property
     def n_devices(self) -> int:
         return self.data * self.expert
+
+    @property
+    def expert_nodes(self) -> int:
+        """Nodes one expert group spans (1 while it fits in a node)."""
+        return max(1, self.expert // self.devices_per_node)
+
+    @property
+    def node_group(self) -> int:
+        """Devices of one expert group inside one node: who shares a node's attention."""
+        return min(self.expert, self.devices_per_node)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +72,10 @@ class CommConfig:
     # ragged_all_to_all on GPU/TPU; dense all_to_all of worst-case buffers elsewhere.
     expert_exchange: Literal["auto", "dense", "ragged"] = "auto"
     expert_exchange_dtype: Literal["bf16", "fp32"] = "fp32"
+    # An expert axis across nodes: `direct` sends a token's row to each GPU of its experts
+    # (over InfiniBand for GPUs of other nodes); `two_stage` once to each node of its
+    # experts, then over the node's NVLink (model/node_dispatch.py).
+    expert_dispatch: Literal["direct", "two_stage"] = "direct"
 
 
 ACTIVATION_PRESETS = ("none", "full_remat", "offload_layer_inputs", "offload_attention_moe",
@@ -261,10 +285,21 @@ class Config:
         if 0 < m.moe_chunk_tokens < data.seq_len and data.seq_len % m.moe_chunk_tokens:
             raise ConfigError(f"model.moe_chunk_tokens: {m.moe_chunk_tokens} does not divide "
                               f"data.seq_len={data.seq_len} (0 = all tokens at once)")
-        if m.attention_context_parallel and m.n_heads % mesh.expert:
+        if m.attention_context_parallel and m.n_heads % mesh.node_group:
             raise ConfigError(f"model.attention_context_parallel: model.n_heads={m.n_heads} is "
-                              f"not divisible by mesh.expert={mesh.expert} (each GPU of a node "
-                              "takes n_heads / mesh.expert heads)")
+                              f"not divisible by the {mesh.node_group} GPUs of a node's expert "
+                              "group (each takes n_heads / that many heads)")
+        if self.comm.expert_dispatch == "two_stage" and mesh.expert_nodes == 1:
+            raise ConfigError(f"comm.expert_dispatch: two_stage needs an expert axis across "
+                              f"nodes; mesh.expert={mesh.expert} fits in one node of "
+                              f"mesh.devices_per_node={mesh.devices_per_node}")
+        if mesh.expert_nodes > 1 and m.n_group > 1 and m.n_group % mesh.expert_nodes:
+            # route() picks whole groups; groups that straddle nodes would not bound the
+            # nodes a token's copies cross the network to (DeepSeek-V3 §2.1.2)
+            raise ConfigError(f"model.n_group: {m.n_group} is not a multiple of the "
+                              f"{mesh.expert_nodes} nodes the expert axis spans (mesh.expert="
+                              f"{mesh.expert}, devices_per_node={mesh.devices_per_node}): "
+                              "node-limited routing needs every group inside one node")
         local_experts = m.n_routed_experts // mesh.expert
         if m.moe_expert_groups and local_experts % m.moe_expert_groups:
             raise ConfigError(f"model.moe_expert_groups: {m.moe_expert_groups} does not divide "

@@ -1,5 +1,6 @@
-"""Attention context parallelism over `expert` (comm.AttentionGroup) on a 2×4 CPU mesh:
-the node's rows computed together, each GPU a slice of the heads, against the unsplit
+"""Attention context parallelism over a node's part of `expert` (comm.AttentionGroup) on
+CPU meshes of 2 nodes × 4 devices (2×4; 1×8 with the expert axis over both nodes): the
+node's rows computed together, each GPU a slice of the heads, against the unsplit
 attention (values, gradients, QK-clip's logit max), the model's training losses, and the
 collectives of the lowered step."""
 
@@ -13,10 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import train_for
-from europa_jax.config import ConfigError
+from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import rope_tables
-from europa_jax.parallel import comm
+from europa_jax.parallel import comm, sharding
 from europa_jax.plan import hlo_report
 from test_comm import BATCH, ctx_for, lowered_step_hlo, mesh  # noqa: F401 - fixture
 
@@ -80,9 +81,11 @@ def unsplit_attention(cfg, params, x_BSD, seg_BS, pos_BS):
                                                          cos, sin)
 
 
-@pytest.mark.parametrize("n_heads", [4, 8])  # one and two heads per GPU of the node
-def test_attention_over_the_node_equals_unsplit_values_gradients_and_logit_max(
-        tiny_cfg, mesh, n_heads):
+@pytest.mark.parametrize("n_heads,expert", [(4, 4), (8, 4), (4, 8)])  # 1 or 2 heads per
+def test_attention_over_the_node_equals_unsplit_values_gradients_and_logit_max(  # GPU
+        tiny_cfg, n_heads, expert):
+    """expert = 8: the axis spans both nodes and each node's 4 GPUs share its rows."""
+    mesh = sharding.make_mesh(MeshConfig(data=8 // expert, expert=expert))
     cfg, x_BSD, seg_BS, pos_BS, boxed = attention_setup(tiny_cfg, n_heads)
     params = nn.unbox(boxed)
     f = split_attention(mesh, cfg, boxed, context_parallel=True)
@@ -170,6 +173,29 @@ def test_the_lowered_step_exchanges_latents_over_expert_only(tiny_cfg, mesh):
     for op in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce"):
         for axes in (("data",), ("data", "expert")):
             assert total(cp, op, axes) == total(base, op, axes), (op, axes)
+    assert sum(c.infiniband_bytes for c in cp) == sum(c.infiniband_bytes for c in base) > 0
+
+
+def test_over_an_expert_axis_across_nodes_the_latents_stay_inside_each_node(tiny_cfg):
+    """1×8 (2 nodes of 4): the attention's collectives run over each node's 4 devices of
+    the expert axis (`expert:4`), every byte on NVLink; the same bytes as on 2×4."""
+    cfg = dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=1, expert=8))
+    wide = sharding.make_mesh(cfg.mesh)
+    base, cp = (hlo_report.collectives(lowered_step_hlo(c, wide), wide)
+                for c in (cfg, with_context_parallel(cfg)))
+    new = [c for c in cp if c.axes == ("expert:4",)]
+    assert {c.op for c in new} == {"all-gather", "reduce-scatter", "all-to-all"}
+    assert all(c.infiniband_bytes == 0 for c in new)
+    assert not [c for c in base if c.axes == ("expert:4",)]
+    assert sum(c.infiniband_bytes for c in cp) == sum(c.infiniband_bytes for c in base)
+    narrow = sharding.make_mesh(tiny_cfg.mesh)
+    on_node = hlo_report.collectives(lowered_step_hlo(with_context_parallel(tiny_cfg), narrow),
+                                     narrow)
+    only_cp = lambda found, axes: sum(c.bytes_per_device for c in found if c.axes == axes
+                                      and c.op in ("reduce-scatter", "all-to-all"))
+    narrow_base = hlo_report.collectives(lowered_step_hlo(tiny_cfg, narrow), narrow)
+    assert only_cp(new, ("expert:4",)) == only_cp(on_node, ("expert",)) - only_cp(
+        narrow_base, ("expert",))
 
 
 def test_heads_that_do_not_split_over_the_node_are_a_config_error(tiny_cfg):

@@ -56,10 +56,13 @@ def test_bias_changes_selection_not_gate_weights(moe_cfg):
     np.testing.assert_allclose(w1, chosen / chosen.sum(-1, keepdims=True) * 2.5, rtol=1e-5)
 
 
-def dense_reference(params, x_BSD, bias_E, cfg):
-    """Every token through its chosen experts one by one: no sorting, no grouping."""
+def dense_reference(params, x_BSD, bias_E, cfg, keep_TU=None):
+    """Every token through its chosen experts one by one: no sorting, no grouping.
+    `keep_TU` [T, U] bool: only these copies (a capacity's dropped ones left out)."""
     x_TD = x_BSD.reshape(-1, cfg.d_model)
     weights_TU, experts_TU = route(x_TD @ params["w_router"], bias_E, cfg)
+    if keep_TU is not None:
+        weights_TU = jnp.where(keep_TU, weights_TU, 0.0)
 
     def expert(e, x_D):
         h = jax.nn.silu(x_D @ params["w_gate"][e]) * (x_D @ params["w_up"][e])

@@ -227,7 +227,7 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
                           balance_nodes: bool = False) -> BatchIterator:
     """This process's rows of global batches mixing `sources` by weight (batch_plan.py).
 
-    `ranks_per_node`: consecutive ranks of one node (mesh.expert), for the per-node
+    `ranks_per_node`: consecutive ranks of one node (mesh.node_group), for the per-node
     attention cost; `balance_nodes`: balance nodes rather than ranks (attention context
     parallelism: a node's GPUs share its rows' attention).
     """
@@ -235,7 +235,7 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)
     if ranks_per_node < 1 or n_ranks % ranks_per_node:
-        raise DataError(f"mesh.expert: {ranks_per_node} ranks per node do not divide the "
+        raise DataError(f"mesh: {ranks_per_node} ranks per node do not divide the "
                         f"{n_ranks} ranks")
     streams, prints = [], []
     for k, source in enumerate(sources):

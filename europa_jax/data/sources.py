@@ -139,5 +139,5 @@ def _iterator(cfg: Config, sources: list[Source], process_index: int, process_co
         sources, seq_len=data.seq_len, global_batch_size=data.global_batch_size,
         n_ranks=cfg.mesh.n_devices, seed=data.seed, balance=data.balance,
         max_documents=data.max_documents, process_index=process_index,
-        process_count=process_count, prefetch=prefetch, ranks_per_node=cfg.mesh.expert,
+        process_count=process_count, prefetch=prefetch, ranks_per_node=cfg.mesh.node_group,
         balance_nodes=cfg.model.attention_context_parallel)

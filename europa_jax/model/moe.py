@@ -28,7 +28,8 @@ from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.expert_matmul import LocalExperts
 from europa_jax.model.expert_windows import Windows
-from europa_jax.model.moe_dispatch import dispatch, Layout, Rounds
+from europa_jax.model.moe_dispatch import dispatch, Layout, Rounds, node_stage_capacity
+from europa_jax.model.node_dispatch import two_stage_dispatch
 from europa_jax.model.layers import SwiGLU, weight
 from europa_jax.parallel import comm
 
@@ -79,27 +80,47 @@ def local_experts(t: int, cfg: ModelConfig, e_local: int) -> LocalExperts:
 def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
                  cfg: ModelConfig):
     """Routed experts with expert parallelism over the mesh's `expert` axis: the exchange
-    rounds of moe_dispatch.py, and what they carried (summed over the mesh)."""
-    axis = comm.expert_axis()
+    rounds of moe_dispatch.py (through each expert's node first with a two-stage
+    dispatch, node_dispatch.py), and what they carried (summed over the mesh)."""
+    axis, per_node = comm.expert_axis(), comm.two_stage_nodes()
     ep, (t, k), e_local = axis.size, experts_TU.shape, w_gate_EDF.shape[0]
-    rounds = Rounds.of(t, cfg, axis, local_experts(t, cfg, e_local))
+    how = local_experts(t, cfg, e_local)
     with jax.named_scope("expert_matmuls"):  # profiles (benchmarks/profile_breakdown.py)
-        y_TD, processed = dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
-                                   w_down_EFD, rounds)
-    rows_J = Layout.rows_per_peer(experts_TU, e_local, ep)
+        if per_node:
+            inner = axis.inside_nodes(per_node)
+            rounds = Rounds.with_capacity(node_stage_capacity(t, cfg, ep, per_node), how, inner)
+            y_TD, processed, e_RU, off_node = two_stage_dispatch(
+                x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD, rounds, axis,
+                per_node)
+            rows_J = Layout.rows_per_peer(e_RU, e_local, per_node)
+        else:
+            rounds = Rounds.of(t, cfg, axis, how)
+            y_TD, processed = dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
+                                       w_down_EFD, rounds)
+            rows_J = Layout.rows_per_peer(experts_TU, e_local, ep)
     if rounds.drops:
         rows_J = jnp.minimum(rows_J, rounds.capacity)
-    remote_J = jnp.where(jnp.arange(ep) == axis.index(), 0, rows_J)
+    remote = jnp.where(jnp.arange(rows_J.shape[0]) == rounds.axis.index(), 0, rows_J).sum()
+    if per_node:  # and the rows that went to other nodes first
+        remote = remote + off_node
     stats = {"processed_copies": comm.psum_all(jax.lax.stop_gradient(processed)),
              "routed_copies": comm.psum_all(jnp.asarray(t * k, jnp.int32)),
              # rows that leave the device: what the exchange really has to carry, against
              # one row per remote expert copy (no per-device deduplication)
-             "exchanged_rows": comm.psum_all(remote_J.sum()),
+             "exchanged_rows": comm.psum_all(remote),
              "remote_copies": comm.psum_all((experts_TU // e_local != axis.index()).sum()),
              # exchange rounds past round 0, and dispatches (devices × layers × chunks)
              "overflow_rounds": comm.psum_all(rounds.overflow_rounds(rows_J)),
              "dispatches": comm.psum_all(jnp.asarray(1, jnp.int32))}
     return y_TD, stats
+
+
+def dispatch_tokens(cfg) -> int:
+    """Tokens one device dispatches at once under a run's config (`Config`): its rows'
+    tokens, or `moe_chunk_tokens` of them."""
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+    chunk = cfg.model.moe_chunk_tokens
+    return min(tokens, chunk) if chunk else tokens
 
 
 def chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,

@@ -47,15 +47,34 @@ OVERFLOW_SPLIT = 4  # an overflow round carries C / 4 rows per peer
 
 def expected_destinations(cfg: ModelConfig, ep: int) -> float:
     """Devices of the expert axis a token's top-k copies visit, on average, under uniform
-    routing: with group-limited routing whose groups are whole devices, at most the
-    `topk_group` groups' devices; otherwise k distinct experts of E spread over ep."""
-    e, k = cfg.n_routed_experts, cfg.top_k
-    if cfg.n_group > 1 and cfg.n_group % ep == 0:
-        per_device = cfg.n_group // ep  # groups held by one device
-        miss = math.comb(cfg.n_group - per_device, cfg.topk_group) / math.comb(
-            cfg.n_group, cfg.topk_group)
+    routing. Group-limited routing (a token's experts in `topk_group` of `n_group`
+    groups, DeepSeek-V3 §2.1.2) bounds it: with groups of whole devices, to at most the
+    chosen groups' devices; with groups of several devices (node-limited routing over an
+    expert axis across nodes: a group per node), to the devices of the chosen groups that
+    k experts drawn from them hit. Otherwise k distinct experts of E spread over ep."""
+    e, k, g = cfg.n_routed_experts, cfg.top_k, cfg.n_group
+    if g > 1 and g % ep == 0:
+        per_device = g // ep  # groups held by one device
+        miss = math.comb(g - per_device, cfg.topk_group) / math.comb(g, cfg.topk_group)
         return min(cfg.topk_group, ep * (1 - miss))
+    if g > 1 and ep % g == 0:
+        pool, e_local = cfg.topk_group * e // g, e // ep  # the chosen groups' experts
+        hit = 1 - math.comb(pool - e_local, k) / math.comb(pool, k)
+        return ep * cfg.topk_group / g * hit
     return ep * (1 - math.comb(e - e // ep, k) / math.comb(e, k))
+
+
+def expected_fill(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> float:
+    """The share of round 0's exchange buffers that t tokens' routed rows are expected to
+    fill (uniform routing): what a ragged exchange of them carries. `per_node`: of the
+    second stage of a two-stage dispatch over nodes of that many devices."""
+    if ep == 1:
+        return 1.0
+    if per_node:
+        capacity, _ = node_stage_capacity(t, cfg, ep, per_node)
+        return min(1.0, t * expected_destinations(cfg, ep) / per_node / capacity)
+    capacity, _ = exchange_capacity(t, cfg, ep)
+    return min(1.0, t * expected_destinations(cfg, ep) / ep / capacity)
 
 
 def exchange_capacity(t: int, cfg: ModelConfig, ep: int) -> tuple[int, bool]:
@@ -73,6 +92,26 @@ def exchange_capacity(t: int, cfg: ModelConfig, ep: int) -> tuple[int, bool]:
     return min(t, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
 
 
+def node_stage_capacity(t: int, cfg: ModelConfig, ep: int, per_node: int) -> tuple[int, bool]:
+    """(rows per peer in round 0, whether rows past it are dropped) of the second stage of
+    a two-stage dispatch (node_dispatch.py): a device sends its node's peers the rows it
+    received from the devices at its place in every node — nodes × as many as a direct
+    dispatch's source sends one peer, t · destinations / ep — out of nodes · t rows."""
+    nodes = ep // per_node
+    if cfg.moe_capacity_factor is not None:
+        return min(nodes * t, max(1, math.ceil(
+            cfg.moe_capacity_factor * t * cfg.top_k / per_node))), True
+    expected = t * expected_destinations(cfg, ep) / per_node
+    return min(nodes * t, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
+
+
+def expected_node_fill(t: int, cfg: ModelConfig, ep: int, per_node: int) -> float:
+    """The share of a two-stage dispatch's first-stage buffers (t rows per node) that the
+    rows are expected to fill: the nodes a token visits, of all of them (uniform routing)."""
+    nodes = ep // per_node
+    return expected_destinations(cfg, nodes) / nodes
+
+
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """The static shape of a dispatch: rows per peer in round 0 and in each later round,
@@ -87,7 +126,12 @@ class Rounds:
     @classmethod
     def of(cls, t: int, cfg: ModelConfig, axis: comm.ExpertAxis,
            experts: LocalExperts) -> "Rounds":
-        capacity, drops = exchange_capacity(t, cfg, axis.size)
+        return cls.with_capacity(exchange_capacity(t, cfg, axis.size), experts, axis)
+
+    @classmethod
+    def with_capacity(cls, capacity_drops: tuple[int, bool], experts: LocalExperts,
+                      axis: comm.ExpertAxis) -> "Rounds":
+        capacity, drops = capacity_drops
         return cls(capacity, max(1, -(-capacity // OVERFLOW_SPLIT)), drops, experts, axis)
 
     def overflow_experts(self) -> LocalExperts:

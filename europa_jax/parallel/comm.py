@@ -13,8 +13,9 @@ every byte that crosses devices is written here, with its dtype:
   a node). `dense` is `all_to_all` of the per-destination buffers (XLA:CPU has no ragged
   collective); `ragged` is `ragged_all_to_all`, which sends only the filled rows of the
   very same buffers, with no host sync of split sizes.
-- `AttentionGroup`: attention context parallelism over `expert` — the node's rows'
-  latents all-gathered, each GPU's heads' outputs all-to-all'ed back to their rows.
+- `AttentionGroup`: attention context parallelism over a node's part of `expert` — the
+  node's rows' latents all-gathered, each GPU's heads' outputs all-to-all'ed back to
+  their rows.
 
 Outside `spmd(...)` (unsharded use: tests, export parity) every function is the identity
 up to a dtype cast, so model code runs unchanged on one device.
@@ -48,6 +49,7 @@ class SpmdContext:
     layout: Layout
     comm: CommConfig  # expert_exchange resolved for the platform (never "auto")
     platform: str = "cpu"  # of the mesh's devices: picks backend-specific kernels
+    devices_per_node: int = 4  # mesh.devices_per_node: a node's part of the expert axis
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -146,19 +148,50 @@ class ExpertAxis:
     """The MoE exchange over the `expert` axis: its size, `dense` or `ragged`, and the
     wire dtype of token rows (None: the compute dtype). Taken from the SPMD context while
     the model is traced (`expert_axis()`) and kept by whoever needs it later: a custom
-    VJP's backward pass is traced after the context has been left."""
+    VJP's backward pass is traced after the context has been left.
+
+    `groups` splits the axis into exchanges among parts of it (`axis_index_groups`): the
+    two stages of node_dispatch.py — a node's devices (`inside_nodes`), or one device of
+    each node (`across_nodes`); `size` is then a group's size."""
 
     size: int = 1
     mode: str = "dense"
     wire: str | None = None
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+    def inside_nodes(self, per_node: int) -> "ExpertAxis":
+        """Exchanges among the `per_node` consecutive devices of each node."""
+        nodes = self.size // per_node
+        return dataclasses.replace(self, size=per_node, groups=tuple(
+            tuple(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)))
+
+    def across_nodes(self, per_node: int) -> "ExpertAxis":
+        """Exchanges among the devices of the same place in each node."""
+        nodes = self.size // per_node
+        return dataclasses.replace(self, size=nodes, groups=tuple(
+            tuple(p + n * per_node for n in range(nodes)) for p in range(per_node)))
+
+    @property
+    def _groups(self) -> list[list[int]] | None:
+        return [list(g) for g in self.groups] if self.groups else None
 
     def index(self) -> jax.Array:
-        """This device's position on the expert axis (0 for size 1)."""
-        return jax.lax.axis_index(EXPERT_AXIS) if self.size > 1 else jnp.int32(0)
+        """This device's position on the expert axis, or in its group (0 for size 1)."""
+        if self.size == 1:
+            return jnp.int32(0)
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        if not self.groups:
+            return me
+        position = [0] * sum(len(g) for g in self.groups)
+        for g in self.groups:
+            for i, device in enumerate(g):
+                position[device] = i
+        return jnp.asarray(position, jnp.int32)[me]
 
     def max(self, x: jax.Array) -> jax.Array:
         """The largest `x` over this device's expert group: what the group agrees on
-        before exchange rounds that all of it must join."""
+        before exchange rounds that all of it must join (over the whole axis when it is
+        split in groups: the same answer for every group, and pmax takes no groups here)."""
         return jax.lax.pmax(x, EXPERT_AXIS) if self.size > 1 else x
 
     def wire_dtype(self, compute_dtype):
@@ -169,7 +202,8 @@ class ExpertAxis:
         """Rows each peer will send me, from the rows I send each peer ([ep] int32)."""
         if self.size == 1:
             return send_counts_J
-        return jax.lax.all_to_all(send_counts_J, EXPERT_AXIS, 0, 0, tiled=True)
+        return jax.lax.all_to_all(send_counts_J, EXPERT_AXIS, 0, 0, tiled=True,
+                                  axis_index_groups=self._groups)
 
     def exchange(self, buf_JC: jax.Array, send_counts_J: jax.Array,
                  recv_counts_J: jax.Array) -> jax.Array:
@@ -183,14 +217,15 @@ class ExpertAxis:
         if ep == 1:
             return buf_JC
         if self.mode == "dense":
-            return jax.lax.all_to_all(buf_JC, EXPERT_AXIS, 0, 0, tiled=True)
+            return jax.lax.all_to_all(buf_JC, EXPERT_AXIS, 0, 0, tiled=True,
+                                      axis_index_groups=self._groups)
         c = buf_JC.shape[1]
         flat = buf_JC.reshape(ep * c, *buf_JC.shape[2:])
         region_starts_J = jnp.arange(ep, dtype=jnp.int32) * c
         out = jax.lax.ragged_all_to_all(
             flat, jnp.zeros_like(flat), region_starts_J, send_counts_J.astype(jnp.int32),
             jnp.full((ep,), self.index() * c, jnp.int32), recv_counts_J.astype(jnp.int32),
-            axis_name=EXPERT_AXIS)
+            axis_name=EXPERT_AXIS, axis_index_groups=self._groups)
         return out.reshape(buf_JC.shape)
 
 
@@ -201,6 +236,16 @@ def expert_axis() -> ExpertAxis:
         return ExpertAxis()
     return ExpertAxis(ctx.mesh_shape.get(EXPERT_AXIS, 1), ctx.comm.expert_exchange,
                       ctx.comm.expert_exchange_dtype)
+
+
+def two_stage_nodes() -> int:
+    """Devices per node when the MoE dispatches in two stages (`comm.expert_dispatch:
+    two_stage` over an expert axis wider than a node), else 0."""
+    ctx = current()
+    if (ctx is None or ctx.comm.expert_dispatch != "two_stage"
+            or ctx.mesh_shape.get(EXPERT_AXIS, 1) <= ctx.devices_per_node):
+        return 0
+    return ctx.devices_per_node
 
 
 def psum_all(x: jax.Array) -> jax.Array:
@@ -216,7 +261,7 @@ def psum_all(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionGroup:
-    """Attention context parallelism over `expert` (the GPUs of one node, NVLink).
+    """Attention context parallelism over the GPUs of one node (NVLink).
 
     The node's GPUs compute the attention of all the node's rows together, each for its
     own slice of the heads (Ulysses-style, Jacobs et al. 2023, arXiv:2309.14509): every
@@ -229,41 +274,58 @@ class AttentionGroup:
     the outputs. Backward (autodiff's transposes): an all-to-all of the output gradients
     and a reduce-scatter of the latents' gradients. Positions and segment ids are
     gathered once per step (transformer.py). Size 1 outside SPMD or when off.
+
+    The group is `size` consecutive devices of the `expert` axis: all of it while the
+    axis fits in a node, else each node's part of it (`parts` > 1, collectives over
+    `axis_index_groups`), so that an expert axis across nodes keeps attention on NVLink.
     """
 
     size: int = 1
+    parts: int = 1  # groups along the expert axis (its nodes)
+
+    @property
+    def _groups(self) -> list[list[int]] | None:
+        if self.parts == 1:
+            return None
+        return [list(range(p * self.size, (p + 1) * self.size)) for p in range(self.parts)]
 
     def gather_rows(self, x_B: jax.Array) -> jax.Array:
         """The node's rows, peers in device order: [B, ...] → [size·B, ...]."""
         if self.size == 1:
             return x_B
-        return jax.lax.all_gather(x_B, EXPERT_AXIS, axis=0, tiled=True)
+        return jax.lax.all_gather(x_B, EXPERT_AXIS, axis=0, tiled=True,
+                                  axis_index_groups=self._groups)
 
     def local_heads(self, w: jax.Array, axis: int) -> jax.Array:
         """This GPU's slice of the heads along `axis` (heads split evenly, device order)."""
         if self.size == 1:
             return w
         n = w.shape[axis] // self.size
-        return jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index(EXPERT_AXIS) * n, n, axis)
+        rank = jax.lax.axis_index(EXPERT_AXIS) % self.size
+        return jax.lax.dynamic_slice_in_dim(w, rank * n, n, axis)
 
     def rows_home(self, out_BSHO: jax.Array) -> jax.Array:
         """Node rows × my heads → my rows × all heads: [size·B, S, H/size, O] → [B, S, H, O]
         (row block j to peer j, its head blocks concatenated in device order)."""
         if self.size == 1:
             return out_BSHO
-        return jax.lax.all_to_all(out_BSHO, EXPERT_AXIS, 0, 2, tiled=True)
+        return jax.lax.all_to_all(out_BSHO, EXPERT_AXIS, 0, 2, tiled=True,
+                                  axis_index_groups=self._groups)
 
     def all_heads(self, m_H: jax.Array) -> jax.Array:
         """Per-head values of my heads → of every head ([H/size] → [H])."""
         if self.size == 1:
             return m_H
-        return jax.lax.all_gather(m_H, EXPERT_AXIS, axis=0, tiled=True)
+        return jax.lax.all_gather(m_H, EXPERT_AXIS, axis=0, tiled=True,
+                                  axis_index_groups=self._groups)
 
 
 def attention_group(enabled: bool) -> AttentionGroup:
-    """The attention group of the SPMD context being traced: the node's GPUs when
-    `model.attention_context_parallel` is on, else (and outside SPMD) size 1."""
+    """The attention group of the SPMD context being traced: the node's GPUs of the expert
+    axis when `model.attention_context_parallel` is on, else (and outside SPMD) size 1."""
     ctx = current()
     if ctx is None or not enabled:
         return AttentionGroup()
-    return AttentionGroup(ctx.mesh_shape.get(EXPERT_AXIS, 1))
+    ep = ctx.mesh_shape.get(EXPERT_AXIS, 1)
+    size = min(ep, ctx.devices_per_node)
+    return AttentionGroup(size, ep // size)

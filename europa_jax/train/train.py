@@ -146,7 +146,8 @@ def spmd_context(cfg: Config, mesh: Mesh, on_mesh: Layout) -> comm.SpmdContext:
     kernels.grouped_matmul_impl(cfg.model, platform)  # a kernel this platform lacks: fail now
     kernels.attention_impl(cfg.model, platform)
     return comm.SpmdContext(layout=on_mesh, comm=dataclasses.replace(
-        cfg.comm, expert_exchange=exchange), platform=platform)
+        cfg.comm, expert_exchange=exchange), platform=platform,
+        devices_per_node=cfg.mesh.devices_per_node)
 
 
 def shardings_like_params(tree: Any, abstract_params: Any, param_shardings: Any,
