@@ -1,12 +1,15 @@
 """Per-step collective bytes per device of the real train step, by op, mesh axis, dtype.
 
     python benchmarks/comm_bytes.py [--config configs/small-cpu.yaml] [--steps 3] [--json OUT]
+        [--set mesh.devices_per_node=2 …]
 
 1. Lowers the step with weight gathers in fp32, bf16 and fp8 (gradient reductions in fp32,
-   bf16, bf16) and reads every collective from the HLO (europa_jax.plan.hlo_report).
+   bf16, bf16) and reads every collective from the HLO (europa_jax.plan.hlo_report), the
+   part of each that crosses nodes (mesh.devices_per_node GPUs a node; plan/links.py) apart.
 2. Runs a few real steps with and without group-limited routing (n_group = expert axis,
-   topk_group = 2) and reports the MoE token rows that leave a device: what the ragged
-   exchange on GPU sends, with per-device deduplication, against one row per remote copy.
+   topk_group = 2) and reports the MoE token rows that leave a device — what the ragged
+   exchange on GPU sends, with per-device deduplication — against one row per remote copy
+   and against what the plan expects of uniform routing (moe_dispatch.expected_destinations).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def lowered_collectives(cfg):
     with jax.set_mesh(mesh):
         lowered = train.jit_train_step(trainer).lower(trainer.abstract_state,
                                                       train.abstract_batch(trainer))
-    return hlo_report.summarize(hlo_report.collectives(lowered.compiler_ir("hlo").as_hlo_text(),
-                                                       mesh))
+    return hlo_report.summarize(hlo_report.collectives(
+        lowered.compiler_ir("hlo").as_hlo_text(), mesh,
+        devices_per_node=cfg.mesh.devices_per_node))
 
 
 def exchanged_rows(cfg, steps):
@@ -55,14 +59,16 @@ def main() -> None:
     parser.add_argument("--config", default="configs/small-cpu.yaml")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 
     import jax
 
-    from europa_jax.plan import hlo_report
     from europa_jax.config_loader import load_config
+    from europa_jax.model import moe_dispatch
+    from europa_jax.plan import hlo_report
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     jax.config.update("jax_num_cpu_devices", cfg.mesh.n_devices)
     results = {"config": args.config, "gathers": {}, "routing": {}}
     for gather, reduce in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "bf16")):
@@ -86,17 +92,22 @@ def main() -> None:
             cfg.model, n_group=groups[0], topk_group=groups[1]))
         rows, remote = exchanged_rows(run, args.steps)
         copies = tokens * cfg.model.top_k
+        # each device is as likely as any to be among a token's destinations
+        expected = (moe_dispatch.expected_destinations(run.model, ep) * (ep - 1) / ep
+                    / cfg.model.top_k)
         results["routing"][name] = {
-            "rows_per_copy": rows, "remote_copies_per_copy": remote,
+            "rows_per_copy": rows, "expected_rows_per_copy": expected,
+            "remote_copies_per_copy": remote,
             "ragged_bytes_per_device_per_layer": rows * copies * d_bytes / cfg.mesh.n_devices,
             "undeduplicated_bytes_per_device_per_layer":
                 remote * copies * d_bytes / cfg.mesh.n_devices}
     print(f"\nMoE exchange, one direction, bf16 rows, after {args.steps} steps "
           f"(n_group={ep}, topk_group=2 vs unrestricted):")
-    print(f"{'routing':<14} {'rows/copy':>10} {'remote copies/copy':>19} {'KiB/device/layer':>17}"
-          f" {'no-dedup KiB':>13}")
+    print(f"{'routing':<14} {'rows/copy':>10} {'expected':>9} {'remote copies/copy':>19} "
+          f"{'KiB/device/layer':>17} {'no-dedup KiB':>13}")
     for name, r in results["routing"].items():
-        print(f"{name:<14} {r['rows_per_copy']:>10.3f} {r['remote_copies_per_copy']:>19.3f} "
+        print(f"{name:<14} {r['rows_per_copy']:>10.3f} {r['expected_rows_per_copy']:>9.3f} "
+              f"{r['remote_copies_per_copy']:>19.3f} "
               f"{r['ragged_bytes_per_device_per_layer'] / 1024:>17.1f} "
               f"{r['undeduplicated_bytes_per_device_per_layer'] / 1024:>13.1f}")
     if args.json:

@@ -48,7 +48,8 @@ def test_axes_of_groups_recognises_each_mesh_axis():
     assert hlo_report.axes_of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], mesh) == ("expert",)
     assert hlo_report.axes_of_groups([[0, 4], [1, 5], [2, 6], [3, 7]], mesh) == ("data",)
     assert hlo_report.axes_of_groups([list(range(8))], mesh) == ("data", "expert")
-    assert hlo_report.axes_of_groups([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) == ()
+    # parts of an axis's groups (axis_index_groups): the axis and the part's size
+    assert hlo_report.axes_of_groups([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) == ("expert:2",)
 
 
 def test_dot_flops_apply_trip_counts_in_lowered_and_optimized_hlo():

@@ -135,8 +135,8 @@ def test_extrapolate_reads_each_number_off_its_line():
 
 def test_roofline_overlaps_links_with_compute_and_bounds_by_their_sum():
     gh = hardware.GH200_JUPITER
-    rows = [{"link": "nvlink", "seconds": 2.0}, {"link": "infiniband", "seconds": 5.0},
-            {"link": "infiniband", "seconds": 1.0}]
+    rows = [{"nvlink_s": 2.0, "infiniband_s": 0.0}, {"nvlink_s": 0.0, "infiniband_s": 5.0},
+            {"nvlink_s": 0.0, "infiniband_s": 1.0}]
     flops = gh.bf16_flops * gh.compute_efficiency * 4.0  # 4 s of compute
     e = plan._estimate(flops, flops, rows, c2c_bytes=0.0, update_bytes=0.0,
                        tokens_per_device=6000.0, machine=gh)

@@ -96,7 +96,7 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     seq, rows, ranks = cfg.data.seq_len, cfg.data.global_batch_size, cfg.mesh.n_devices
     if context_parallel is None:
         context_parallel = cfg.model.attention_context_parallel
-    unit = cfg.mesh.expert if context_parallel else 1
+    unit = cfg.mesh.node_group if context_parallel else 1
     if lengths_W is None:
         lengths_W = long_tail_lengths(int(batches * rows * seq / 1300) + 1, seed)
     slowest, mean, rank_ratio, node_ratio = [], [], [], []
@@ -107,7 +107,7 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
         mean.append(rank_J.mean())
         rank_ratio.append(packing.max_over_mean(rank_J))
         node_ratio.append(packing.max_over_mean(
-            packing.rank_cost(rank_J, ranks // cfg.mesh.expert)))
+            packing.rank_cost(rank_J, ranks // cfg.mesh.node_group)))
     slowest = np.asarray(slowest)
     per_rank_rows = rows // ranks
     return {

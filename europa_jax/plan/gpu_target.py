@@ -159,6 +159,10 @@ def mesh(mesh_cfg: MeshConfig, target: GpuTarget) -> jax.sharding.Mesh:
     """The config's `(data, expert)` mesh over a GPU topology: expert groups are hosts."""
     from europa_jax.parallel import sharding
 
+    if mesh_cfg.devices_per_node != GPUS_PER_NODE:
+        raise ConfigError(f"mesh.devices_per_node: {mesh_cfg.devices_per_node}, but a "
+                          f"{target.name} node has {GPUS_PER_NODE} GPUs")
+
     return sharding.make_mesh(mesh_cfg, devices=topology(target, mesh_cfg.n_devices))
 
 

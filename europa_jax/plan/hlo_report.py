@@ -14,7 +14,10 @@ Replica groups are mapped back to the mesh axes that generate them.
 Bytes per device use the usual ring-algorithm volumes: all-gather moves its result
 × (n−1)/n, reduce-scatter its operand × (n−1)/n, all-reduce 2 × (n−1)/n, all-to-all
 × (n−1)/n, a collective-permute its result. ragged-all-to-all is reported at its buffer
-size (an upper bound: it sends only the filled rows).
+size (an upper bound: it sends only the filled rows; the plan prices the rows it
+carries). The part that crosses nodes comes from the devices of the replica groups
+(links.py), for any mesh. A loop whose trip count is data (MoE overflow rounds) counts
+once unless the caller says what it expects (`dynamic_trips`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 from jax.sharding import Mesh
+
+from europa_jax.plan import links
 
 DTYPE_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8,
                "s8": 1, "u8": 1, "s32": 4, "u32": 4, "s64": 8, "pred": 1}
@@ -43,7 +48,13 @@ class Collective:
     axes: tuple[str, ...]
     dtype: str
     bytes_per_device: float  # per execution × executions per step
-    count: int  # executions per step
+    count: float  # executions per step (expected, for loops whose trip count is data)
+    infiniband_bytes: float = 0.0  # the part of bytes_per_device between nodes (links.py)
+
+    def scaled(self, factor: float) -> "Collective":
+        """The same collective carrying `factor` of its bytes (a ragged exchange's fill)."""
+        return dataclasses.replace(self, bytes_per_device=self.bytes_per_device * factor,
+                                   infiniband_bytes=self.infiniband_bytes * factor)
 
 
 def _shape_bytes(text: str) -> tuple[str, int]:
@@ -110,8 +121,9 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _trip_count(while_line: str, cond_lines: list[str]) -> int:
-    # Optimized HLO states it; lowered HLO has jax's scan condition `i < N`.
+def _trip_count(while_line: str, cond_lines: list[str]) -> int | None:
+    """A loop's trip count: stated (optimized HLO) or jax's scan condition `i < N`
+    (lowered HLO); None when it is data."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', while_line)
     if known:
         return int(known.group(1))
@@ -119,16 +131,24 @@ def _trip_count(while_line: str, cond_lines: list[str]) -> int:
                  for c in re.findall(r"s32\[\] constant\((\d+)\)", line)]
     if any("direction=LT" in line for line in cond_lines) and constants:
         return max(constants)
-    return 1  # unknown loop shape: count once (reported as a lower bound)
+    return None
 
 
-def execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+def _op_name(line: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
+
+
+def execution_counts(comps: dict[str, list[str]], entry: str,
+                     dynamic_trips: Callable[[str], float] | None = None
+                     ) -> dict[str, float]:
     """How many times each computation runs per execution of the entry computation.
 
-    Loop bodies are multiplied by their trip counts; every branch of a conditional is
-    counted as if it ran (an upper bound: `lax.cond` runs one).
+    Loop bodies are multiplied by their trip counts — a loop whose count is data by
+    `dynamic_trips(its op name)`, or once; every branch of a conditional is counted as
+    if it ran (an upper bound: `lax.cond` runs one).
     """
-    counts: dict[str, int] = collections.Counter()
+    counts: dict[str, float] = collections.Counter()
 
     def visit(name: str, times: int, depth: int = 0):
         if depth > 64 or name not in comps:
@@ -137,8 +157,10 @@ def execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
         for line in comps[name]:
             loop = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", line)
             if loop:
-                visit(loop.group(2), times * _trip_count(line, comps.get(loop.group(1), [])),
-                      depth + 1)
+                trips = _trip_count(line, comps.get(loop.group(1), []))
+                if trips is None:
+                    trips = dynamic_trips(_op_name(line)) if dynamic_trips else 1
+                visit(loop.group(2), times * trips, depth + 1)
                 continue
             for callee in re.findall(r"(?:to_apply|calls)=([\w.\-]+)", line):
                 if " call(" in line or "custom-call(" in line or " fusion(" in line:
@@ -196,7 +218,9 @@ def _device_ids(text: str | None, n: int) -> np.ndarray:
 
 
 def axes_of_groups(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes whose index varies inside each group (() if none recognised)."""
+    """The mesh axes whose index varies inside each group (() if none recognised). Groups
+    that split an axis's groups in parts (`axis_index_groups`: a node's part of the
+    expert axis) are named by the axes and the part's size, e.g. `expert:4`."""
     shape = dict(zip(mesh.axis_names, mesh.devices.shape))
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     target = {frozenset(g) for g in groups}
@@ -208,18 +232,26 @@ def axes_of_groups(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
                 [shape[a] for a in axes]))).tolist()}
             if candidate == target:
                 return axes
+            if len(groups[0]) > 1 and all(any(g <= c for c in candidate) for g in target):
+                return tuple(axes[:-1]) + (f"{axes[-1]}:{len(groups[0])}",)
     return ()
 
 
-def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None
-                ) -> list[Collective]:
-    """Every collective reachable from the entry computation, with per-step multiplicity.
+DEVICES_PER_NODE = 4  # JUPITER (mesh.devices_per_node's default)
 
-    `keep(line)` selects instructions by their HLO text (e.g. their op_name metadata).
+
+def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None, *,
+                devices_per_node: int = DEVICES_PER_NODE,
+                dynamic_trips: Callable[[str], float] | None = None) -> list[Collective]:
+    """Every collective reachable from the entry computation, with per-step multiplicity
+    and the part of its bytes between nodes of `devices_per_node` devices (links.py).
+
+    `keep(line)` selects instructions by their HLO text (e.g. their op_name metadata);
+    `dynamic_trips(op name)`: the expected trips of a loop whose count is data.
     """
     comps, entry = _computations(hlo)
     found = []
-    for name, times in execution_counts(comps, entry).items():
+    for name, times in execution_counts(comps, entry, dynamic_trips).items():
         for line in comps[name]:
             match = _INSTR.match(line)
             if not match or (keep and not keep(line)):
@@ -230,13 +262,14 @@ def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None
             groups = _groups(line)
             n = len(groups[0]) if groups else 1
             axes = axes_of_groups(groups, mesh) if groups else ()
+            between = links.inter_node_share(op, groups, devices_per_node, line)
             # Operands are named without shapes (unoptimized HLO) or mixed into an async
             # start's tuple: sizes come from the result. XLA combines collectives of
             # different dtypes into one (an fp8 gather with the fp32 router's): per dtype.
             for dtype, result_bytes in _bytes_by_dtype(_result_shape(match.group(2),
                                                                      match.group(1))).items():
-                found.append(Collective(op, axes, dtype,
-                                        _moved_bytes(op, result_bytes, n) * times, times))
+                moved = _moved_bytes(op, result_bytes, n) * times
+                found.append(Collective(op, axes, dtype, moved, times, moved * between))
     return found
 
 
@@ -302,20 +335,25 @@ def largest_buffers(hlo: str, n: int | None = 5) -> list[dict]:
 
 
 def summarize(found: list[Collective]) -> list[dict]:
-    """Totals per (op, axes, dtype), largest first."""
-    table: dict[tuple, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    """Totals per (op, axes, dtype), largest first; `infiniband_bytes` of them between nodes."""
+    table: dict[tuple, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0.0])
     for c in found:
-        table[(c.op, c.axes, c.dtype)][0] += c.bytes_per_device
-        table[(c.op, c.axes, c.dtype)][1] += c.count
+        row = table[(c.op, c.axes, c.dtype)]
+        row[0] += c.bytes_per_device
+        row[1] += c.count
+        row[2] += c.infiniband_bytes
     rows = [{"op": op, "axes": "+".join(axes) or "?", "dtype": dtype,
-             "bytes_per_device": total, "count": int(count)}
-            for (op, axes, dtype), (total, count) in table.items()]
+             "bytes_per_device": total, "count": int(round(count)),
+             "infiniband_bytes": between}
+            for (op, axes, dtype), (total, count, between) in table.items()]
     return sorted(rows, key=lambda r: -r["bytes_per_device"])
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'op':<18} {'axes':<12} {'dtype':<9} {'count':>6} {'MiB/device':>11}"]
+    lines = [f"{'op':<18} {'axes':<12} {'dtype':<9} {'count':>6} {'MiB/device':>11} "
+             f"{'of it IB':>9}"]
     for r in rows:
-        lines.append(f"{r['op']:<18} {r['axes']:<12} {r['dtype']:<9} {r['count']:>6} "
-                     f"{r['bytes_per_device'] / 2**20:>11.3f}")
+        lines.append(f"{r['op']:<18} {r['axes']:<12} {r['dtype']:<9} {r['count']:>6g} "
+                     f"{r['bytes_per_device'] / 2**20:>11.3f} "
+                     f"{r.get('infiniband_bytes', 0.0) / 2**20:>9.3f}")
     return "\n".join(lines)

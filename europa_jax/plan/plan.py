@@ -36,8 +36,11 @@ Step time (hardware.py) — compute and the three links work concurrently, so
 (peak · efficiency); memory = the GPU program's non-matmul kernels' HBM bytes
 (hbm_traffic.py; loops whose trip count is data at the trips the plan's assumptions give)
 / (HBM bandwidth · efficiency); each link = its bytes / (bandwidth · efficiency). Collectives over `expert`
-alone ride NVLink; any that touch `data` are charged in full to InfiniBand; offloaded
-state and activations cross NVLink-C2C once each way per step.
+and their parts inside a node ride NVLink, their parts between nodes InfiniBand — read
+from the devices of each one's replica groups, whatever its axes (links.py); the MoE's
+ragged exchanges are charged at the rows routing is expected to put in them, their
+buffers' size reported apart (`exchange`). Offloaded state and activations cross
+NVLink-C2C once each way per step.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from europa_jax.config import Config
 from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
-from europa_jax.plan import attention_cost, gpu_program, gpu_target, hardware
+from europa_jax.plan import attention_cost, exchange, gpu_program, gpu_target, hardware
 from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
 from europa_jax.train import qk_clip, train
@@ -149,20 +152,30 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
     return out
 
 
-def _rows(numbers: dict[str, float], prefix: str, machine, expert: int) -> list[dict]:
+def _rows(numbers: dict[str, float], prefix: str, machine, cfg: Config) -> list[dict]:
+    """The collectives of one program with their seconds on each link they cross: the
+    part between nodes (from their replica groups, links.py) over InfiniBand, the rest
+    over the node's NVLink."""
+    fields = {"bytes": "bytes_per_device", "count": "count", "ib_bytes": "infiniband_bytes"}
     rows = {}
     for key, value in numbers.items():
         if key.startswith(prefix + "/"):
             op, axes, dtype, field = key[len(prefix) + 1:].split("/")
             rows.setdefault((op, axes, dtype), {"op": op, "axes": axes, "dtype": dtype})[
-                "bytes_per_device" if field == "bytes" else "count"] = value
+                fields[field]] = value
+    nvlink = machine.nvlink_bandwidth(cfg.mesh.node_group - 1) * machine.link_efficiency
+    network = machine.network_bandwidth * machine.link_efficiency
     out = []
     for row in rows.values():
         row["count"] = int(round(row.get("count", 0)))
-        row["link"] = "nvlink" if row["axes"] == "expert" else "infiniband"
-        bandwidth = (machine.nvlink_bandwidth(expert - 1) if row["link"] == "nvlink"
-                     else machine.network_bandwidth)
-        row["seconds"] = row.get("bytes_per_device", 0.0) / (bandwidth * machine.link_efficiency)
+        total = row.setdefault("bytes_per_device", 0.0)
+        between = min(total, row.setdefault("infiniband_bytes", 0.0))
+        row["nvlink_bytes"] = total - between
+        row["link"] = ("infiniband" if between >= total and total else
+                       "nvlink+infiniband" if between else "nvlink")
+        row["nvlink_s"] = row["nvlink_bytes"] / nvlink
+        row["infiniband_s"] = between / network
+        row["seconds"] = row["nvlink_s"] + row["infiniband_s"]
         out.append(row)
     return sorted(out, key=lambda r: -r.get("bytes_per_device", 0.0))
 
@@ -178,8 +191,8 @@ def _estimate(executed_flops: float, model_flops: float, rows: list[dict], c2c_b
                "memory_s": kernel_bytes / hbm,
                # the update reads state and gradients and writes state: HBM-bound
                "update_s": update_bytes / hbm,
-               "nvlink_s": sum(r["seconds"] for r in rows if r["link"] == "nvlink"),
-               "infiniband_s": sum(r["seconds"] for r in rows if r["link"] == "infiniband"),
+               "nvlink_s": sum(r["nvlink_s"] for r in rows),
+               "infiniband_s": sum(r["infiniband_s"] for r in rows),
                "c2c_s": c2c_bytes / (machine.c2c_bandwidth * machine.link_efficiency)}
     overlapped = max(seconds["compute_s"] + seconds["memory_s"] + seconds["update_s"],
                      seconds["nvlink_s"], seconds["infiniband_s"], seconds["c2c_s"])
@@ -241,9 +254,9 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     optimizer_flops = numbers.get("flops/optimizer", 0.0)
     executed = model_flops * recompute + optimizer_flops
     executed_worst = model_flops_at(gpu_pairs["worst_case"]) * recompute + optimizer_flops
-    step_rows = _rows(numbers, "collective/step", machine, cfg.mesh.expert)
-    partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg.mesh.expert)
-    gpu_rows = _rows(numbers, "collective/compiled", machine, cfg.mesh.expert)
+    step_rows = _rows(numbers, "collective/step", machine, cfg)
+    partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg)
+    gpu_rows = _rows(numbers, "collective/compiled", machine, cfg)
     gpu = target != "cpu"
     if gpu:
         hbm_peak, host_peak, memory = _gpu_memory(numbers, largest)
@@ -292,6 +305,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
                   "hlo_matmul_loss": numbers.get("flops/hlo_loss"),
                   "xla_cost_analysis": numbers.get("flops/xla_cost_analysis")},
         "collectives": charged,
+        "exchange": exchange.summary(cfg, numbers, machine),
         "kernels": [],
         # the GPU program's non-matmul kernels, bytes per step (hbm_traffic.py); GPU only
         "hbm_traffic": None,

@@ -106,11 +106,38 @@ def _qk_clip(q: dict[str, Any]) -> list[str]:
 
 def _collectives(rows: list[dict], title: str) -> list[str]:
     lines = [title, f"  {'op':<18} {'axes':<12} {'dtype':<9} {'count':>7} {'GB':>12} "
-             f"{'link':<10} {'seconds':>8}"]
+             f"{'of it IB':>10} {'link':<17} {'seconds':>8}"]
     for row in rows:
         lines.append(f"  {row['op']:<18} {row['axes']:<12} {row['dtype']:<9} {row['count']:>7} "
-                     f"{row.get('bytes_per_device', 0) / 1e9:>12,.3f} {row['link']:<10} "
+                     f"{row.get('bytes_per_device', 0) / 1e9:>12,.3f} "
+                     f"{row.get('infiniband_bytes', 0) / 1e9:>10,.3f} {row['link']:<17} "
                      f"{row['seconds']:>8.3f}")
+    return lines
+
+
+def _exchange(x: dict[str, Any]) -> list[str]:
+    """The MoE token exchange: routed rows against what its buffers could carry."""
+    routing = x["routing"]
+    limit = (f"node-limited to {routing['topk_group']} of {x['nodes']} nodes"
+             if routing["node_limited"] else
+             f"groups {routing['topk_group']} of {routing['n_group']}"
+             if routing["n_group"] > 1 else "unlimited")
+    lines = [f"MoE token exchange ({x['dispatch'].replace('_', '-')}): expert axis "
+             f"{x['expert_axis']} over {x['nodes']} node(s), routing {limit}; "
+             f"{x['expected_destinations']:.2f} devices and {x['expected_nodes_per_token']:.2f} "
+             "nodes per token expected (uniform routing)",
+             f"  {x['tokens_per_dispatch']:,} tokens per dispatch, {x['rows_per_peer_round0']:,} "
+             f"rows per peer in round 0 ({'drops past it' if x['drops_past_capacity'] else 'dropless'}"
+             f"), expected fill {x['expected_fill']:.0%}"
+             + (f"; first stage {x['node_stage_fill']:.0%} of its T rows per node"
+                if x.get("node_stage_fill") is not None else ""),
+             f"  routed rows: {x['routed_bytes_per_step'] / 1e9:,.1f} GB per GPU per step, "
+             f"{x['routed_infiniband_bytes_per_step'] / 1e9:,.1f} GB of it to other nodes "
+             f"({_s(x['routed_infiniband_s'])} of InfiniBand)"]
+    if "buffer_bytes" in x:
+        lines.append(f"  bound, every buffer full: {x['buffer_bytes'] / 1e9:,.1f} GB, "
+                     f"{x['buffer_infiniband_bytes'] / 1e9:,.1f} GB to other nodes "
+                     f"({_s(x['buffer_infiniband_s'])}); the estimate charges the expected fill")
     return lines
 
 
@@ -217,8 +244,8 @@ def format_report(r: dict[str, Any]) -> str:
     by_source = lambda source: [row for row in r["collectives"] if row["source"] == source]
     if gpu:
         lines += [""] + _collectives(by_source("compiled"), "collectives per GPU per step "
-                                     "(optimized GPU program, wire dtypes; ragged all-to-all "
-                                     "at its buffer size, an upper bound)")
+                                     "(optimized GPU program, wire dtypes; links from the "
+                                     "replica groups; ragged all-to-all at its expected fill)")
     else:
         lines += [""] + _collectives(by_source("step"),
                                      "collectives per device per step, the step as written "
@@ -226,6 +253,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines += [""] + _collectives(by_source("partitioner"),
                                      "collectives the SPMD partitioner adds outside the "
                                      "shard_map (compiled XLA:CPU program)")
+    if r.get("exchange"):
+        lines += [""] + _exchange(r["exchange"])
     lines += ["", f"estimate on {hw['name']} (hardware.py): compute at "
               f"{hw['compute_efficiency']:.0%} of {hw['bf16_flops'] / 1e12:.0f} TFLOP/s; links at "
               f"{hw['link_efficiency']:.0%} of NVLink {hw['nvlink_pair_bandwidth'] / 1e9:.0f} GB/s "

@@ -98,7 +98,15 @@ def collective_numbers(rows: list[dict], prefix: str) -> dict[str, float]:
         key = f"{prefix}/{r['op']}/{r['axes']}/{r['dtype']}"
         numbers[key + "/bytes"] = r["bytes_per_device"]
         numbers[key + "/count"] = r["count"]
+        numbers[key + "/ib_bytes"] = r.get("infiniband_bytes", 0.0)
     return numbers
+
+
+def collective_table(text: str, mesh, cfg: Config, **kw) -> list[dict]:
+    """hlo_report's collectives of a program of `cfg`'s step, summarized, the links
+    between its nodes (mesh.devices_per_node) apart."""
+    return hlo_report.summarize(hlo_report.collectives(
+        text, mesh, devices_per_node=cfg.mesh.devices_per_node, **kw))
 
 
 def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]:
@@ -120,7 +128,7 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
         update_compiled = lower_update(trainer, state).compile()
     text = compiled.as_text()
     cost = compiled.cost_analysis()
-    numbers = _update_numbers(update_compiled, mesh)
+    numbers = _update_numbers(update_compiled, mesh, cfg)
     for prefix, mem in (("memory", compiled.memory_analysis()),
                         ("memory_fb", loss_compiled.memory_analysis())):
         numbers.update(_memory_numbers(prefix, mem))
@@ -130,10 +138,10 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
         "flops/xla_cost_analysis": float((cost or {}).get("flops", 0.0)),
         "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
     })
-    numbers.update(collective_numbers(hlo_report.summarize(
-        hlo_report.collectives(lowered_hlo(lowered), mesh)), "collective/step"))
-    numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(
-        text, mesh, keep=_outside_shard_map)), "collective/partitioner"))
+    numbers.update(collective_numbers(collective_table(lowered_hlo(lowered), mesh, cfg),
+                                      "collective/step"))
+    numbers.update(collective_numbers(collective_table(text, mesh, cfg, keep=_outside_shard_map),
+                                      "collective/partitioner"))
     largest = {"step": hlo_report.largest_buffers(text, TOP_BUFFERS),
                "forward_backward": hlo_report.largest_buffers(loss_compiled.as_text(),
                                                               TOP_BUFFERS)}
@@ -151,7 +159,7 @@ def _memory_numbers(prefix: str, mem) -> dict[str, float]:
             for f in ("argument", "output", "alias", "temp", "generated_code")}
 
 
-def _update_numbers(update_compiled, mesh) -> dict[str, float]:
+def _update_numbers(update_compiled, mesh, cfg: Config) -> dict[str, float]:
     """The optimizer update compiled alone: memory, matmul FLOPs, collectives.
 
     FLOPs are read here, not off the step: in the step's optimized text XLA:CPU fuses the
@@ -161,8 +169,7 @@ def _update_numbers(update_compiled, mesh) -> dict[str, float]:
     text = update_compiled.as_text()
     numbers = _memory_numbers("memory_update", update_compiled.memory_analysis())
     numbers["flops/optimizer"] = hlo_report.dot_flops(text)
-    numbers.update(collective_numbers(hlo_report.summarize(hlo_report.collectives(text, mesh)),
-                                       "collective/update"))
+    numbers.update(collective_numbers(collective_table(text, mesh, cfg), "collective/update"))
     return numbers
 
 
@@ -173,7 +180,7 @@ def measure_update(cfg: Config, mesh) -> dict[str, float]:
     trainer = train.build_trainer(cfg, mesh)
     with jax.set_mesh(mesh):
         compiled = lower_update(trainer, trainer.abstract_state).compile()
-    return _update_numbers(compiled, mesh)
+    return _update_numbers(compiled, mesh, cfg)
 
 
 def with_exact_update(probed: dict[str, float], exact: dict[str, float]) -> dict[str, float]:
