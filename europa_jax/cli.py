@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--probe-moe-layers", metavar="A,B",
                       help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
                       "config's depth")
+    plan.add_argument("--search", action="store_true",
+                      help="plan a grid of layouts (each in its own process) and print one "
+                      "table and the fastest that fits (plan/layout_search.py)")
+    plan.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                      help="a dimension of the --search grid (default: mesh.expert over "
+                      "1–16 nodes × model.moe_chunk_tokens whole or a quarter row)")
 
     prepare = command("prepare", help="tokenize text, JSON lines or Parquet files into a "
                       "training corpus")
@@ -142,6 +148,8 @@ def _prepare(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, cfg) -> int:
     from pathlib import Path
 
+    if args.search or args.vary:
+        return _plan_search(args, cfg)
     if args.devices != cfg.mesh.n_devices:
         raise ConfigError(f"--devices {args.devices} does not match mesh data×expert = "
                           f"{cfg.mesh.data}×{cfg.mesh.expert} = {cfg.mesh.n_devices}")
@@ -178,6 +186,29 @@ def _plan(args: argparse.Namespace, cfg) -> int:
                        attention_batches=args.attention_batches)
     print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
+
+
+def _plan_search(args: argparse.Namespace, cfg) -> int:
+    from europa_jax.plan import layout_search as search
+
+    grid = search.default_grid(cfg, args.devices)
+    grid.update(search.parse_vary(args.vary))
+    if args.probe_moe_layers:
+        raise ConfigError("--probe-moe-layers: not with --search (each layout compiles whole)")
+    extra = ["--target", args.target, "--attention-batches", str(args.attention_batches)]
+    extra += ["--corpus", args.corpus] if args.corpus else []
+    rows = []
+    for layout in search.layouts(args.config, args.set, args.devices, grid):
+        if not args.json:
+            print(f"planning {' '.join(layout.sets) or 'the config as it is'} …",
+                  file=sys.stderr, flush=True)
+        report = None if layout.error else search.plan_one(args.config, args.set, layout,
+                                                           args.devices, extra)
+        rows.append(search.row(layout, report))
+    best = search.fastest_fitting(rows)
+    print(json.dumps({"grid": grid, "layouts": rows, "fastest_fitting": best}, indent=2)
+          if args.json else search.format_table(rows, best))
+    return exit_codes.OK if any("error" not in r for r in rows) else exit_codes.CRASH
 
 
 def _use_cpu_devices(n: int, platform: str | None = None) -> None:
