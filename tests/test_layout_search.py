@@ -62,3 +62,13 @@ def test_a_search_prints_one_row_per_layout_and_the_fastest_that_fits():
         r["tokens_per_s_per_gpu"] for r in (inside, across) if r["fits"])
     table = search.format_table(out["layouts"], best)
     assert "fastest that fits: " in table and "not planned: " in table
+
+
+def test_a_varied_key_that_needs_the_derived_layout_is_checked_with_it():
+    """A two-stage dispatch is valid only over an expert axis across nodes: each layout
+    is checked with its derived keys, so it is refused at 4 and planned at 8."""
+    layouts = search.layouts(config_path("europa-952b.yaml"), [], 384, {
+        "mesh.expert": ["4", "8"], "comm.expert_dispatch": ["two_stage"]})
+    inside, across = layouts
+    assert "two_stage needs an expert axis across nodes" in inside.error
+    assert across.error is None and across.derived["model.n_group"] == "2"

@@ -74,8 +74,10 @@ def layouts(config: str | Path, sets: list[str], devices: int,
         varied = dict(zip(grid, values))
         layout = Layout(varied, {})
         try:
+            # what the derived keys depend on: the node's size (other varied keys may
+            # need the derived ones to be valid, e.g. a two-stage dispatch a wide axis)
             base = load_config(config, sets + [f"{k}={v}" for k, v in varied.items()
-                                               if k not in ("mesh.expert", "mesh.data")])
+                                               if k == "mesh.devices_per_node"])
             layout.derived = _derived(base, devices, varied, named)
             cfg = load_config(config, sets + layout.sets)
             if cfg.mesh.n_devices != devices:
@@ -149,18 +151,19 @@ def fastest_fitting(rows: list[dict]) -> dict | None:
 
 
 def format_table(rows: list[dict], best: dict | None) -> str:
-    head = (f"{'layout':<34} {'data×expert':>11} {'routing':>8} {'fits':>4} {'HBM GB':>7} "
+    names = [" ".join(f"{k.split('.')[-1]}={v}" for k, v in r["varied"].items()) for r in rows]
+    w = max([len("layout")] + [len(n) for n in names])
+    head = (f"{'layout':<{w}} {'data×expert':>11} {'routing':>8} {'fits':>4} {'HBM GB':>7} "
             f"{'host GB':>7} {'compute':>8} {'NVLink':>7} {'IB':>7} {'C2C':>6} {'tok/s/GPU':>9}")
     lines = [head]
-    for r in rows:
-        name = " ".join(f"{k.split('.')[-1]}={v}" for k, v in r["varied"].items())
+    for name, r in zip(names, rows):
         if "error" in r:
-            lines.append(f"{name:<34} not planned: {r['error']}")
+            lines.append(f"{name:<{w}} not planned: {r['error']}")
             continue
         routing = r.get("routing") or {}
         routed = f"{routing.get('topk_group', 1)}/{routing.get('n_group', 1)}"
         lines.append(
-            f"{name:<34} {r['mesh']['data']:>5}×{r['mesh']['expert']:<5} {routed:>8} "
+            f"{name:<{w}} {r['mesh']['data']:>5}×{r['mesh']['expert']:<5} {routed:>8} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['hbm_bytes'] / 1e9:>7.1f} "
             f"{r['host_bytes'] / 1e9:>7.1f} {r['compute_s']:>7.1f}s {r['nvlink_s']:>6.1f}s "
             f"{r['infiniband_s']:>6.1f}s {r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f}")
