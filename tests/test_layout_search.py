@@ -57,6 +57,9 @@ def test_a_search_prints_one_row_per_layout_and_the_fastest_that_fits():
     # across 2 nodes: node-limited (a token's copies on 1 of 2 nodes), InfiniBand charged
     assert across["routing"] == {"n_group": 2, "topk_group": 1, "node_limited": True}
     assert across["infiniband_s"] > 0 and across["destinations"] < inside["destinations"] * 2
+    # the token rows' part of it: an exchange across nodes on the CPU target is a dense
+    # all-to-all (no ragged one), so none is counted there
+    assert inside["exchange_infiniband_s"] == across["exchange_infiniband_s"] == 0
     best = out["fastest_fitting"]
     assert best["fits"] and best["tokens_per_s_per_gpu"] == max(
         r["tokens_per_s_per_gpu"] for r in (inside, across) if r["fits"])

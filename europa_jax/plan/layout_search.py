@@ -138,6 +138,10 @@ def row(layout: Layout, report: dict | None) -> dict:
             "hbm_bytes": per["hbm_peak_bytes"], "host_bytes": per["host_peak_bytes"],
             "compute_s": e["compute_s"] + e["memory_s"] + e["update_s"],
             "nvlink_s": e["nvlink_s"], "infiniband_s": e["infiniband_s"], "c2c_s": e["c2c_s"],
+            # of the InfiniBand seconds, the MoE token exchange's (the rest is FSDP's)
+            "exchange_infiniband_s": sum(c.get("infiniband_s", 0.0)
+                                         for c in report["collectives"]
+                                         if c["op"] == "ragged-all-to-all"),
             "tokens_per_s_per_gpu": e["tokens_per_s_per_gpu_overlapped"],
             "worst_case_tokens_per_s_per_gpu":
                 report["estimate"]["worst_case"]["tokens_per_s_per_gpu_overlapped"],
@@ -150,11 +154,16 @@ def fastest_fitting(rows: list[dict]) -> dict | None:
     return max(fitting, key=lambda r: r["tokens_per_s_per_gpu"]) if fitting else None
 
 
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}s"
+
+
 def format_table(rows: list[dict], best: dict | None) -> str:
     names = [" ".join(f"{k.split('.')[-1]}={v}" for k, v in r["varied"].items()) for r in rows]
     w = max([len("layout")] + [len(n) for n in names])
     head = (f"{'layout':<{w}} {'data×expert':>11} {'routing':>8} {'fits':>4} {'HBM GB':>7} "
-            f"{'host GB':>7} {'compute':>8} {'NVLink':>7} {'IB':>7} {'C2C':>6} {'tok/s/GPU':>9}")
+            f"{'host GB':>7} {'compute':>8} {'NVLink':>7} {'IB':>7} {'of it MoE':>9} {'C2C':>6} "
+            f"{'tok/s/GPU':>9}")
     lines = [head]
     for name, r in zip(names, rows):
         if "error" in r:
@@ -166,10 +175,12 @@ def format_table(rows: list[dict], best: dict | None) -> str:
             f"{name:<{w}} {r['mesh']['data']:>5}×{r['mesh']['expert']:<5} {routed:>8} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['hbm_bytes'] / 1e9:>7.1f} "
             f"{r['host_bytes'] / 1e9:>7.1f} {r['compute_s']:>7.1f}s {r['nvlink_s']:>6.1f}s "
-            f"{r['infiniband_s']:>6.1f}s {r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f}")
+            f"{r['infiniband_s']:>6.1f}s {_seconds(r.get('exchange_infiniband_s')):>9} "
+            f"{r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f}")
     lines.append("routing: topk_group/n_group (a token's copies in at most topk_group of "
                  "n_group expert groups; a group per node across nodes); compute = compute + "
-                 "memory + update seconds; links overlap with it")
+                 "memory + update seconds; links overlap with it; of it MoE: the InfiniBand "
+                 "seconds of the MoE token exchange (its ragged all-to-alls: GPU targets)")
     if best:
         name = ", ".join(f"{k}={v}" for k, v in {**best["derived"], **best["varied"]}.items())
         lines.append(f"fastest that fits: {name} — {best['tokens_per_s_per_gpu']:,.0f} "
