@@ -191,7 +191,8 @@ class ExpertAxis:
     def max(self, x: jax.Array) -> jax.Array:
         """The largest `x` over this device's expert group: what the group agrees on
         before exchange rounds that all of it must join (over the whole axis when it is
-        split in groups: the same answer for every group, and pmax takes no groups here)."""
+        split in groups: one answer that every group may use, at the cost of the rounds
+        the fullest group needs)."""
         return jax.lax.pmax(x, EXPERT_AXIS) if self.size > 1 else x
 
     def wire_dtype(self, compute_dtype):
