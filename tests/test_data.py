@@ -147,7 +147,7 @@ def test_node_balancing_evens_the_nodes_and_reports_both_costs(corpus):
                 packing.max_over_mean(node_cost))
             node_ratios[nodes].append(it.stats.node_attention_cost_max_over_mean)
     assert np.mean(node_ratios[True]) < np.mean(node_ratios[False])
-    with pytest.raises(DataError, match="mesh.expert: 3 ranks per node do not divide"):
+    with pytest.raises(DataError, match=r"mesh: 3 ranks per node \(of mesh.expert within mesh.devices_per_node\) do not divide"):
         iterator(corpus, ranks_per_node=3)
 
 

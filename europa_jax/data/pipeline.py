@@ -235,8 +235,8 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)
     if ranks_per_node < 1 or n_ranks % ranks_per_node:
-        raise DataError(f"mesh: {ranks_per_node} ranks per node do not divide the "
-                        f"{n_ranks} ranks")
+        raise DataError(f"mesh: {ranks_per_node} ranks per node (of mesh.expert within "
+                        f"mesh.devices_per_node) do not divide the {n_ranks} ranks")
     streams, prints = [], []
     for k, source in enumerate(sources):
         # one corpus keeps the seed as it always was; the others derive theirs from it
