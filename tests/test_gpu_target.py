@@ -171,6 +171,29 @@ def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_b
     assert ("all-to-all", "expert", "bf16") in rows(step["numbers"])
 
 
+@needs_toolchain
+def test_a_two_stage_dispatch_over_two_nodes_compiles_to_ragged_exchanges_per_stage(tiny_cfg):
+    """Expert parallelism 8 over 2 GH200 nodes, two-stage: the token rows cross between the
+    nodes' GPUs at one place (`expert:2`, all of it InfiniBand) and fan out inside each
+    node (`expert:4`, none), both ragged all-to-alls in bf16; each is charged at its
+    expected fill, below the buffer bound the report keeps apart."""
+    cfg = without_offload(gpu_cfg(tiny_cfg, n_group=2, topk_group=1))
+    cfg = dataclasses.replace(
+        cfg, mesh=MeshConfig(data=1, expert=8, allow_cross_node_experts=True),
+        comm=dataclasses.replace(cfg.comm, expert_dispatch="two_stage"))
+    step = compile_for_gpu(cfg)
+    found = rows(step["numbers"])
+    first, second = found[("ragged-all-to-all", "expert:2", "bf16")], found[
+        ("ragged-all-to-all", "expert:4", "bf16")]
+    assert first["ib_bytes"] == pytest.approx(first["bytes"]) and second["ib_bytes"] == 0
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(
+        cfg, step["numbers"], step["facts"], 0,
+        [{"op": op, "axes": axes, "dtype": dt} for op, axes, dt in found])}
+    assert checks["MoE token exchange"]["ok"], checks["MoE token exchange"]
+    charged = sum(v["bytes"] for k, v in found.items() if k[0] == "ragged-all-to-all")
+    assert 0 < charged < step["numbers"]["exchange/buffer_bytes"]
+
+
 def optimized_text(cfg) -> str:
     """The optimized GPU program of cfg's train step (as gpu_program.measure compiles it)."""
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])

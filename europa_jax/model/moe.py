@@ -28,7 +28,7 @@ from europa_jax.config import ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.expert_matmul import LocalExperts
 from europa_jax.model.expert_windows import Windows
-from europa_jax.model.moe_dispatch import dispatch, Layout, Rounds, node_stage_capacity
+from europa_jax.model.moe_dispatch import dispatch, exchange_capacity, Layout, Rounds
 from europa_jax.model.node_dispatch import two_stage_dispatch
 from europa_jax.model.layers import SwiGLU, weight
 from europa_jax.parallel import comm
@@ -88,7 +88,7 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
     with jax.named_scope("expert_matmuls"):  # profiles (benchmarks/profile_breakdown.py)
         if per_node:
             inner = axis.inside_nodes(per_node)
-            rounds = Rounds.with_capacity(node_stage_capacity(t, cfg, ep, per_node), how, inner)
+            rounds = Rounds.with_capacity(exchange_capacity(t, cfg, ep, per_node), how, inner)
             y_TD, processed, e_RU, off_node = two_stage_dispatch(
                 x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD, rounds, axis,
                 per_node)

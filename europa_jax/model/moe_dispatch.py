@@ -70,42 +70,32 @@ def expected_fill(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> float
     second stage of a two-stage dispatch over nodes of that many devices."""
     if ep == 1:
         return 1.0
-    if per_node:
-        capacity, _ = node_stage_capacity(t, cfg, ep, per_node)
-        return min(1.0, t * expected_destinations(cfg, ep) / per_node / capacity)
-    capacity, _ = exchange_capacity(t, cfg, ep)
-    return min(1.0, t * expected_destinations(cfg, ep) / ep / capacity)
+    capacity, _ = exchange_capacity(t, cfg, ep, per_node)
+    return min(1.0, t * expected_destinations(cfg, ep) / (per_node or ep) / capacity)
 
 
-def exchange_capacity(t: int, cfg: ModelConfig, ep: int) -> tuple[int, bool]:
+def exchange_capacity(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> tuple[int, bool]:
     """(rows per peer in round 0, whether rows past it are dropped).
 
     Dropless, round 0 holds `moe_buffer_factor` × the rows a peer expects from this
     device (t tokens × expected destinations / ep); what is left goes in further rounds.
     A capacity factor instead bounds the one round and drops the rest.
+
+    `per_node`: the second stage of a two-stage dispatch (node_dispatch.py) over nodes of
+    that many devices. A device sends its node's peers the rows it received from the
+    devices at its place in every node — nodes × what a direct dispatch's source sends
+    one peer: t · destinations / per_node — out of nodes · t rows.
     """
     if ep == 1:
         return t, False
+    peers, rows = (per_node, ep // per_node * t) if per_node else (ep, t)
     if cfg.moe_capacity_factor is not None:
-        return min(t, max(1, math.ceil(cfg.moe_capacity_factor * t * cfg.top_k / ep))), True
-    expected = t * expected_destinations(cfg, ep) / ep
-    return min(t, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
+        return min(rows, max(1, math.ceil(cfg.moe_capacity_factor * t * cfg.top_k / peers))), True
+    expected = t * expected_destinations(cfg, ep) / peers
+    return min(rows, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
 
 
-def node_stage_capacity(t: int, cfg: ModelConfig, ep: int, per_node: int) -> tuple[int, bool]:
-    """(rows per peer in round 0, whether rows past it are dropped) of the second stage of
-    a two-stage dispatch (node_dispatch.py): a device sends its node's peers the rows it
-    received from the devices at its place in every node — nodes × as many as a direct
-    dispatch's source sends one peer, t · destinations / ep — out of nodes · t rows."""
-    nodes = ep // per_node
-    if cfg.moe_capacity_factor is not None:
-        return min(nodes * t, max(1, math.ceil(
-            cfg.moe_capacity_factor * t * cfg.top_k / per_node))), True
-    expected = t * expected_destinations(cfg, ep) / per_node
-    return min(nodes * t, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
-
-
-def expected_node_fill(t: int, cfg: ModelConfig, ep: int, per_node: int) -> float:
+def expected_node_fill(cfg: ModelConfig, ep: int, per_node: int) -> float:
     """The share of a two-stage dispatch's first-stage buffers (t rows per node) that the
     rows are expected to fill: the nodes a token visits, of all of them (uniform routing)."""
     nodes = ep // per_node

@@ -16,6 +16,13 @@ from europa_jax.model import moe, moe_dispatch
 WIRE_BYTES = {"bf16": 2, "fp32": 4}
 
 
+def two_stage_nodes(cfg: Config) -> int:
+    """Devices per node when the config's MoE dispatches in two stages, else 0 (what
+    comm.two_stage_nodes says while the step is traced)."""
+    two = cfg.comm.expert_dispatch == "two_stage" and cfg.mesh.expert_nodes > 1
+    return cfg.mesh.devices_per_node if two else 0
+
+
 def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
     """The exchange section of a plan report (None without expert parallelism)."""
     m, ep = cfg.model, cfg.mesh.expert
@@ -29,15 +36,14 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
     routed = (4 * m.n_moe_layers * tokens * destinations * m.d_model
               * WIRE_BYTES[cfg.comm.expert_exchange_dtype])
     nodes, g = cfg.mesh.expert_nodes, cfg.mesh.node_group
-    two_stage = cfg.comm.expert_dispatch == "two_stage" and nodes > 1
+    per_node = two_stage_nodes(cfg)  # the GPU exchange of a two-stage dispatch: its 2nd
+    two_stage = bool(per_node)
     if two_stage:  # a row per node a token visits crosses; its fan-out stays in the node
         node_visits = moe_dispatch.expected_destinations(m, nodes)
         off_node = node_visits * (nodes - 1) / nodes / destinations
     else:  # a row per destination GPU; those on other nodes cross
         off_node = (ep - g) / ep
-    per_node = g if two_stage else 0  # the GPU exchange of a two-stage dispatch: its 2nd
-    capacity, drops = (moe_dispatch.node_stage_capacity(t, m, ep, g) if two_stage
-                       else moe_dispatch.exchange_capacity(t, m, ep))
+    capacity, drops = moe_dispatch.exchange_capacity(t, m, ep, per_node)
     out = {
         "expert_axis": ep, "nodes": nodes, "devices_per_node": cfg.mesh.devices_per_node,
         "dispatch": "two_stage" if two_stage else "direct",
@@ -49,7 +55,7 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
         "rows_per_peer_round0": capacity, "drops_past_capacity": drops,
         "expected_fill": moe_dispatch.expected_fill(t, m, ep, per_node),
         # a two-stage dispatch's first stage: t rows per node, filled by the nodes visited
-        "node_stage_fill": (moe_dispatch.expected_node_fill(t, m, ep, g) if two_stage
+        "node_stage_fill": (moe_dispatch.expected_node_fill(m, ep, per_node) if two_stage
                             else None),
         # analytic: what the routed rows are, whatever the buffers
         "routed_bytes_per_step": routed,

@@ -25,7 +25,7 @@ import jax
 from europa_jax.config import Config
 from europa_jax.model import attention, kernels, moe, moe_dispatch
 from europa_jax.parallel import sharding
-from europa_jax.plan import gpu_target, hbm_traffic, hlo_report
+from europa_jax.plan import exchange, gpu_target, hbm_traffic, hlo_report
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -105,16 +105,10 @@ def exchange_fill(c: hlo_report.Collective, cfg: Config) -> float:
     """The expected fill of a ragged MoE exchange's buffers: a two-stage dispatch's first
     stage (all of it between nodes) at the nodes a token visits, any other at the rows
     of round 0 (moe_dispatch.py)."""
-    t, ep, per_node = moe.dispatch_tokens(cfg), cfg.mesh.expert, two_stage_nodes(cfg)
+    ep, per_node = cfg.mesh.expert, exchange.two_stage_nodes(cfg)
     if per_node and c.bytes_per_device and c.infiniband_bytes >= c.bytes_per_device:
-        return moe_dispatch.expected_node_fill(t, cfg.model, ep, per_node)
-    return moe_dispatch.expected_fill(t, cfg.model, ep, per_node)
-
-
-def two_stage_nodes(cfg: Config) -> int:
-    """Devices per node when the config's MoE dispatches in two stages, else 0."""
-    two = cfg.comm.expert_dispatch == "two_stage" and cfg.mesh.expert_nodes > 1
-    return cfg.mesh.devices_per_node if two else 0
+        return moe_dispatch.expected_node_fill(cfg.model, ep, per_node)
+    return moe_dispatch.expected_fill(moe.dispatch_tokens(cfg), cfg.model, ep, per_node)
 
 
 def visible_attention(cfg: Config) -> Config:

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 from jax.sharding import Mesh
 
+from europa_jax.config import MeshConfig
 from europa_jax.plan import links
 
 DTYPE_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8,
@@ -237,11 +238,8 @@ def axes_of_groups(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
     return ()
 
 
-DEVICES_PER_NODE = 4  # JUPITER (mesh.devices_per_node's default)
-
-
 def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None, *,
-                devices_per_node: int = DEVICES_PER_NODE,
+                devices_per_node: int = MeshConfig.devices_per_node,
                 dynamic_trips: Callable[[str], float] | None = None) -> list[Collective]:
     """Every collective reachable from the entry computation, with per-step multiplicity
     and the part of its bytes between nodes of `devices_per_node` devices (links.py).

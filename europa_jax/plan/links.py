@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import re
 
-GATHER_LIKE = ("all-gather", "reduce-scatter", "all-reduce")
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 
