@@ -6,9 +6,9 @@ norms, converts, transposes, gradient accumulation), copies, sorts — is bound 
 bandwidth and costs bytes, not FLOPs. This reads them from the *optimized* GPU HLO
 (`compiled.as_text()` of a gpu_target compile), kernel by kernel:
 
-- every instruction of a computation that runs on the device as a kernel — the entry,
-  loop bodies, conditional branches, called computations; not the computations fused
-  into a kernel — is one launch, × its executions per step (loop trip counts);
+- every launch of the program (hlo_program.py: each instruction of a computation that
+  runs on the device, × its executions per step) that kernel_classes.py finds
+  memory-bound is one kernel;
 - its bytes are what it reads plus what it writes. A fusion's operand is read whole,
   except where the fused computation only slices or gathers it (then the slices'
   bytes) or updates it in place (a dynamic-update-slice or scatter into the operand
@@ -17,8 +17,8 @@ bandwidth and costs bytes, not FLOPs. This reads them from the *optimized* GPU H
   kernel and partial writes are not seen), good to ±2×;
 - matmuls (cuBLAS calls, library GEMM/attention kernels: tokamax's ragged dot and
   flash attention) and collectives are left out: their time is priced elsewhere
-  (FLOPs, links). Host copies (`copy-start` to memory space 5) are NVLink-C2C traffic,
-  also priced elsewhere.
+  (FLOPs, links). Host copies (copies and async slices to or from memory space 5) are
+  NVLink-C2C traffic, also priced elsewhere.
 - a kernel inside a conditional branch or a loop whose trip count is data (jax's
   `fori_loop`/`while_loop` with a traced bound: MoE overflow rounds and windows, the
   attention backward's chunk pairs) is counted apart (`conditional`), at the trip count
@@ -33,25 +33,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from typing import Callable
 
-from europa_jax.plan.hlo_report import DTYPE_BYTES, _computations, _dims, _top_level_items
+from europa_jax.plan import kernel_classes
+from europa_jax.plan.hlo_program import ARRAY as _ARRAY  # noqa: F401 (tests read shapes)
+from europa_jax.plan.hlo_program import Module as _Module, array_bytes as _array_bytes
 
-# Opcodes that launch no kernel of their own, or are priced elsewhere.
-NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
-             "conditional", "call", "after-all", "partition-id", "replica-id",
-             "opt-barrier", "add-dependency", "domain", "get-dimension-size"}
-COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                  "ragged-all-to-all", "collective-permute", "collective-broadcast", "send",
-                  "recv")
-GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__cublas")
-# Library kernels that are matmuls (tokamax's ops name themselves in the metadata).
-LIBRARY_MATMUL = re.compile(r"tokamax\._src\.ops\.(ragged_dot|attention)")
-HOST_MEMORY = ":S(5)"
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 # Ops a fused parameter may feed that read only part of it.
 _PARTIAL_READS = ("dynamic-slice", "slice", "gather")
 _IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -71,56 +59,6 @@ class KernelBytes:
     @property
     def bytes_per_step(self) -> float:
         return self.bytes_per_run * self.runs
-
-
-def _array_bytes(text: str, device_only: bool = True) -> int:
-    """Bytes of the arrays in an HLO shape string (host-memory arrays left out)."""
-    total = 0
-    for dtype, dims, layout in _ARRAY.findall(text):
-        if dtype not in DTYPE_BYTES or (device_only and layout and HOST_MEMORY in layout):
-            continue
-        total += DTYPE_BYTES[dtype] * math.prod(_dims(dims) or [1])
-    return total
-
-
-class _Module:
-    """Name → result shape for every instruction, and each computation's lines parsed."""
-
-    def __init__(self, hlo: str):
-        self.comps, self.entry = _computations(hlo)
-        self.shape: dict[str, str] = {}
-        self.parsed: dict[str, list[tuple[str, str, str, str, str]]] = {}
-        for comp, lines in self.comps.items():
-            rows = []
-            for line in lines:
-                m = _LINE.match(line)
-                if not m:
-                    continue
-                name, shape, opcode, rest = m.groups()
-                self.shape[name] = shape
-                rows.append((name, shape, opcode, rest, line))
-            self.parsed[comp] = rows
-
-    def operands(self, rest: str) -> list[str]:
-        """An instruction's operand names, in order (`rest`: the text after its opcode's
-        opening parenthesis)."""
-        depth, out, cur = 0, [], ""
-        for ch in rest:
-            if ch in "([{":
-                depth += 1
-            elif ch in ")]}":
-                if depth == 0:
-                    break
-                depth -= 1
-            if ch == "," and depth == 0:
-                out.append(cur)
-                cur = ""
-            else:
-                cur += ch
-        out.append(cur)
-        # in order, every one (a name defined nowhere counts 0 bytes): positions matter
-        out = [re.sub(r"/\*.*?\*/", "", o).strip() for o in out]  # /*index=5*/ markers
-        return [o.split()[-1] for o in out if o]
 
 
 def _fusion_bytes(mod: _Module, fused: str, operands: list[str], out_shape: str) -> float:
@@ -166,90 +104,38 @@ def _fusion_bytes(mod: _Module, fused: str, operands: list[str], out_shape: str)
     return read + written
 
 
-def _is_matmul(mod: _Module, opcode: str, rest: str, line: str) -> bool:
-    if opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        return bool((target and target.group(1).startswith(GEMM_TARGETS))
-                    or LIBRARY_MATMUL.search(line))
-    if opcode == "fusion":  # a fusion wrapping a GEMM (dynamic-slice address fusions)
-        called = re.search(r"calls=([\w.\-]+)", rest)
-        return bool(called) and any(
-            _is_matmul(mod, op, r, ln) for _, _, op, r, ln in mod.parsed.get(called.group(1), [])
-            if op in ("custom-call", "fusion"))
-    return opcode in ("dot", "convolution")
-
-
-def _is_priced_elsewhere(opcode: str, shape: str) -> bool:
-    base = opcode.removesuffix("-start").removesuffix("-done")
-    if base in COLLECTIVE_OPS or opcode.endswith("-done") or opcode in ("async-start",
-                                                                         "async-update"):
-        return True
-    # host offload: copies to or from pinned host memory ride NVLink-C2C
-    return opcode in ("copy-start", "copy-done") or (opcode == "copy" and HOST_MEMORY in shape)
-
-
-def kernels(hlo: str, dynamic_trips: Callable[[str], float] | None = None
+def kernels(hlo: str | _Module, dynamic_trips: Callable[[str], float] | None = None
             ) -> list[KernelBytes]:
-    """Every non-matmul device kernel of an optimized GPU program, with its bytes.
+    """Every memory-bound kernel of an optimized GPU program (kernel_classes.py: not a
+    GEMM, attention, collective or host copy), with its bytes.
 
     `dynamic_trips(loop op name)`: the expected trip count of a loop whose count is data
     (default 1: once per entry); its kernels stay marked `conditional`.
     """
-    mod = _Module(hlo)
-    found: list[KernelBytes] = []
+    mod = hlo if isinstance(hlo, _Module) else _Module(hlo)
+    return [kernel_bytes(mod, k.launch) for k in kernel_classes.kernels(mod, dynamic_trips)
+            if k.kind == "memory_bound"]
 
-    def visit(comp: str, times: int, loop: str, conditional: bool, depth: int = 0):
-        if depth > 64:
-            return
-        for name, shape, opcode, rest, line in mod.parsed.get(comp, []):
-            op_name = re.search(r'op_name="([^"]*)"', line)
-            op_name = op_name.group(1) if op_name else ""
-            if opcode == "while":
-                cond, body = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", rest).groups()
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                # a loop whose trip count is data (overflow rounds and windows): counted
-                # once per entry, apart, as what may run
-                dynamic = trips is None
-                trips = (int(trips.group(1)) if trips else
-                         dynamic_trips(op_name) if dynamic_trips else 1)
-                visit(cond, times * (trips + 1), op_name, conditional or dynamic, depth + 1)
-                visit(body, times * trips, op_name, conditional or dynamic, depth + 1)
-                continue
-            if opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-                names = ([b.strip() for b in branches.group(1).split(",")] if branches else
-                         re.findall(r"(?:true|false)_computation=([\w.\-]+)", rest))
-                for branch in names:
-                    visit(branch, times, loop, True, depth + 1)
-                continue
-            if opcode in ("call", "async-start") or (opcode == "custom-call"
-                                                      and "called_computations" in rest):
-                for callee in re.findall(r"(?:to_apply|calls)=([\w.\-]+)", rest):
-                    visit(callee, times, loop, conditional, depth + 1)
-                if opcode != "custom-call":
-                    continue
-            if (opcode in NO_KERNEL or _is_priced_elsewhere(opcode, shape)
-                    or _is_matmul(mod, opcode, rest, line)):
-                continue
-            operands = mod.operands(rest)
-            if opcode == "fusion":
-                called = re.search(r"calls=([\w.\-]+)", rest).group(1)
-                kind = re.search(r"kind=k(\w+)", rest)
-                n_bytes = _fusion_bytes(mod, called, operands, shape)
-                label = f"fusion:{kind.group(1).lower() if kind else '?'}"
-            elif opcode in ("dynamic-slice", "slice", "gather"):
-                n_bytes, label = 2 * _array_bytes(shape), opcode
-            elif opcode in _IN_PLACE and operands:
-                update = operands[1] if opcode == "dynamic-update-slice" else operands[-1]
-                n_bytes, label = 2 * _array_bytes(mod.shape.get(update, "")), opcode
-            else:
-                n_bytes = _array_bytes(shape) + sum(_array_bytes(mod.shape.get(o, ""))
-                                                    for o in operands)
-                label = opcode
-            found.append(KernelBytes(name, label, op_name, loop, conditional, n_bytes, times))
 
-    visit(mod.entry, 1, "", False)
-    return found
+def kernel_bytes(mod: _Module, launch) -> KernelBytes:
+    """The bytes one memory-bound launch reads and writes (module docstring)."""
+    opcode, rest, shape = launch.opcode, launch.rest, launch.shape
+    operands = mod.operands(rest)
+    if opcode == "fusion":
+        kind = re.search(r"kind=k(\w+)", rest)
+        n_bytes = _fusion_bytes(mod, mod.called(rest), operands, shape)
+        label = f"fusion:{kind.group(1).lower() if kind else '?'}"
+    elif opcode in ("dynamic-slice", "slice", "gather"):
+        n_bytes, label = 2 * _array_bytes(shape), opcode
+    elif opcode in _IN_PLACE and operands:
+        update = operands[1] if opcode == "dynamic-update-slice" else operands[-1]
+        n_bytes, label = 2 * _array_bytes(mod.shape.get(update, "")), opcode
+    else:
+        n_bytes = _array_bytes(shape) + sum(_array_bytes(mod.shape.get(o, ""))
+                                            for o in operands)
+        label = opcode
+    return KernelBytes(launch.name, label, launch.op_name, launch.loop, launch.conditional,
+                       n_bytes, launch.runs)
 
 
 # Parts of the step by jax op name: the first whose marker the name contains. Kernels
