@@ -76,3 +76,67 @@ def test_a_corpus_s_lengths_are_read_from_its_offsets(tmp_path):
         writer.commit(tokenizer={"kind": "bytes", "name": "synthetic", "sha256": None,
                                  "vocab_size": 300, "eos_id": 0})
     np.testing.assert_array_equal(attention_cost.corpus_lengths(tmp_path / "c"), [5, 17, 3])
+
+
+def test_kernel_pairs_are_the_kernels_count_of_every_row():
+    """kernel_pairs counts, for all rows at once, what flash_backward.kernel_pair_fraction
+    counts of one: the forward's key tiles from each query tile's document start, the
+    backward's chunk pairs (one row per call here)."""
+    from europa_jax.data import packing
+    from europa_jax.model import flash_backward
+
+    rng = np.random.default_rng(0)
+    s, tile, chunk, rows = 1024, 128, 256, 6
+    lengths = rng.integers(1, 900, 40)
+    lengths = lengths[np.cumsum(lengths) <= s * rows]
+    length_X = np.append(lengths, s * rows - lengths.sum())
+    placed = packing.pack_in_order(length_X, seq_len=s)
+    fwd_B, bwd_C = attention_cost.kernel_pairs(placed, rows, seq_len=s, rows_per_call=1,
+                                               tile=tile, chunk=chunk)
+    causal = s * (s + 1) / 2
+    for r in range(rows):
+        docs = placed.length_Z[placed.row_Z == r].tolist()
+        ref = flash_backward.kernel_pair_fraction(docs, seq_len=s, chunk=chunk, tile=tile)
+        assert fwd_B[r] == pytest.approx(ref["forward"] * causal)
+        assert bwd_C[r] == pytest.approx(ref["backward"] * causal)
+    # one document per row: the whole causal row each way
+    whole = packing.pack_in_order(np.full(rows, s), seq_len=s)
+    fwd_B, bwd_C = attention_cost.kernel_pairs(whole, rows, seq_len=s, rows_per_call=1,
+                                               tile=tile, chunk=chunk)
+    np.testing.assert_allclose(fwd_B, causal)
+    np.testing.assert_allclose(bwd_C, causal)
+
+
+def test_the_backward_runs_the_chunk_pairs_any_row_of_its_call_sees():
+    """A call of 4 rows (a node's, under context parallelism), one of them a whole-row
+    document: every row of the call runs the whole causal backward, the forward only its
+    own documents' tiles."""
+    from europa_jax.data import packing
+
+    s, tile, chunk = 512, 128, 128
+    length_X = np.array([s] + [64] * 24)  # a whole row, then 3 rows of 8 short documents
+    placed = packing.pack_in_order(length_X, seq_len=s)
+    fwd_B, bwd_C = attention_cost.kernel_pairs(placed, 4, seq_len=s, rows_per_call=4,
+                                               tile=tile, chunk=chunk)
+    causal = s * (s + 1) / 2
+    assert bwd_C.tolist() == [4 * causal]
+    assert fwd_B[0] == causal and (fwd_B[1:] < causal / 2).all()
+    _, alone_C = attention_cost.kernel_pairs(placed, 4, seq_len=s, rows_per_call=1,
+                                             tile=tile, chunk=chunk)
+    assert alone_C[0] == causal and (alone_C[1:] < causal / 2).all()
+
+
+def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):
+    cfg = cfg_of(tiny_cfg)
+    lengths_W = attention_cost.long_tail_lengths(2000, seed=2) // 40 + 1
+    r = attention_cost.slowest_pairs(cfg, lengths_W, batches=4, context_parallel=True)
+    run, worst = r["kernel_pairs_per_gpu"], r["pairs_per_gpu"]["worst_case"]
+    for way in ("forward", "backward"):
+        assert 0 < run[way]["expected"] <= run[way]["p95"] <= run[way]["worst_case"]
+    # the kernels run at least the pairs the model needs (masked ones too); rows shorter
+    # than a kernel tile or a backward chunk are padded to it
+    assert run["forward"]["expected"] >= r["pairs_per_gpu"]["mean_over_gpus"]
+    assert run["forward"]["worst_case"] == worst  # the 64-position row in one 128-tile
+    chunk = r["backward_chunk"]
+    assert chunk == 128 and run["backward"]["worst_case"] == worst / (S * (S + 1)) * (
+        chunk * (chunk + 1))

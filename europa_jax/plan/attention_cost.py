@@ -12,7 +12,11 @@ GPUs share its rows' pairs evenly (parallel/comm.py AttentionGroup).
 
 Reported per GPU of the slowest unit: pairs expected (mean over batches), p95 and the
 worst case (every row one document: S(S+1)/2 per row), beside the mean over all GPUs
-(perfect balance).
+(perfect balance). Those are the pairs the model needs. The kernels run more
+(`kernel_pairs`): the forward whole key tiles from each query tile's earliest document
+start, the backward whole chunk pairs (flash_backward.py) that any row of its call — a
+rank's rows, or a node's under context parallelism — can see; their expected, p95 and
+worst case per GPU are reported for the unit whose kernels cost the most.
 
 Shape suffixes (europa_jax/__init__.py): W documents, Z placed pieces, B rows, J ranks.
 """
@@ -27,6 +31,7 @@ import numpy as np
 from europa_jax.config import Config
 from europa_jax.data import packing
 from europa_jax.data.batch_plan import stream_chunk
+from europa_jax.model import attention
 
 # The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
 # median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
@@ -34,6 +39,8 @@ from europa_jax.data.batch_plan import stream_chunk
 LONG_TAIL = ("long-tail model: 98 % log-normal (median 600 tokens, sigma 1.2), "
              "2 % Pareto from 4,096 tokens (alpha 1.6, cap 1,048,576)")
 DEFAULT_BATCHES = 32
+# FlashAttention's convention: a backward pass is 2.5 forward passes of FLOPs (step_time.py).
+BACKWARD_PER_FORWARD = 2.5
 
 
 def long_tail_lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -74,16 +81,62 @@ def global_batches(lengths_W: np.ndarray, batch_tokens: int, n: int, seed: int =
 
 
 def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_unit: int,
-               balance: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(pairs per rank [J], pairs per GPU of each unit [J / ranks_per_unit]) of one global
-    batch as the balancer lays it out."""
+               balance: bool, kernels: tuple[int, int] | None = None):
+    """(pairs per rank [J], pairs per GPU of each unit [U]) of one global batch as the
+    balancer lays it out; with `kernels` = (tile, chunk) also the pairs the kernels run
+    per GPU of each unit, forward and backward ([U] each: `kernel_pairs`)."""
     placed = packing.pack(length_X, seq_len=seq_len, n_ranks=n_ranks, balance=balance,
                           ranks_per_unit=ranks_per_unit)
     n_rows = int(length_X.sum()) // seq_len
     length_Z = placed.length_Z.astype(np.float64)
     pairs_B = np.bincount(placed.row_Z, weights=length_Z * (length_Z + 1) / 2, minlength=n_rows)
     rank_J = packing.rank_cost(pairs_B, n_ranks)
-    return rank_J, packing.rank_cost(rank_J, n_ranks // ranks_per_unit) / ranks_per_unit
+    units = n_ranks // ranks_per_unit
+    unit_U = packing.rank_cost(rank_J, units) / ranks_per_unit
+    if kernels is None:
+        return rank_J, unit_U
+    fwd_B, bwd_U = kernel_pairs(placed, n_rows, seq_len=seq_len, rows_per_call=n_rows // units,
+                                tile=kernels[0], chunk=kernels[1])
+    return rank_J, unit_U, (packing.rank_cost(fwd_B, units) / ranks_per_unit,
+                            bwd_U / ranks_per_unit)
+
+
+def kernel_pairs(placed: packing.Placement, n_rows: int, *, seq_len: int, rows_per_call: int,
+                 tile: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward pairs per row [B], backward pairs per kernel call [B / rows_per_call]) the
+    attention kernels run on a laid-out batch: the count flash_backward.kernel_pair_fraction
+    makes of one row, for every row at once, with the backward's chunk pairs chosen by
+    the earliest document start of any row of its call. `chunk` 0: no pairwise backward
+    (every row's whole causal triangle)."""
+    length_Z = placed.length_Z.astype(np.int64)
+    start_Z = np.cumsum(length_Z) - length_Z  # rows are full and in order: global offsets
+
+    def doc_start(row_Q, local_Q):
+        """The local start of the document holding each (row, position)."""
+        pos_Q = row_Q * seq_len + local_Q
+        return start_Z[np.searchsorted(start_Z, pos_Q, side="right") - 1] - row_Q * seq_len
+
+    rows = np.arange(n_rows)
+    q0 = np.arange(0, seq_len, tile)
+    row_Q, q0_Q = np.repeat(rows, len(q0)), np.tile(q0, n_rows)
+    q1_Q = np.minimum(q0_Q + tile, seq_len)
+    k0_Q = doc_start(row_Q, q0_Q) // tile * tile  # the tile-aligned earliest key read
+    n_Q = (q1_Q - q0_Q).astype(np.float64)
+    fwd_B = np.bincount(row_Q, weights=n_Q * (q1_Q - k0_Q) - n_Q * (n_Q - 1) / 2,
+                        minlength=n_rows)
+    calls = n_rows // rows_per_call
+    if not chunk:
+        return fwd_B, np.full(calls, rows_per_call * seq_len * (seq_len + 1) / 2)
+    x = -(-seq_len // chunk)
+    i_X = np.arange(x)
+    first_BX = np.where(i_X * chunk < seq_len,
+                        doc_start(np.repeat(rows, x), np.tile(np.minimum(i_X * chunk,
+                                                                         seq_len - 1), n_rows)
+                                  ).reshape(n_rows, x), seq_len)
+    first_CX = first_BX.reshape(calls, rows_per_call, x).min(axis=1)
+    off_C = (i_X[None] - first_CX // chunk).sum(axis=1)  # key chunks j < i a query sees
+    per_call = x * chunk * (chunk + 1) / 2 + off_C * float(chunk) ** 2
+    return fwd_B, rows_per_call * per_call
 
 
 def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = LONG_TAIL,
@@ -99,17 +152,27 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     unit = cfg.mesh.node_group if context_parallel else 1
     if lengths_W is None:
         lengths_W = long_tail_lengths(int(batches * rows * seq / 1300) + 1, seed)
-    slowest, mean, rank_ratio, node_ratio = [], [], [], []
+    tile = attention.LIBRARY_SEQ_MULTIPLE
+    chunk = attention.backward_chunk_for(seq, cfg.model.attention_backward_chunk)
+    slowest, mean, rank_ratio, node_ratio, run = [], [], [], [], []
     for length_X in global_batches(lengths_W, rows * seq, batches, seed):
-        rank_J, unit_U = unit_pairs(length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
-                                    balance=cfg.data.balance)
+        rank_J, unit_U, (fwd_U, bwd_U) = unit_pairs(
+            length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
+            balance=cfg.data.balance, kernels=(tile, chunk))
         slowest.append(unit_U.max())
+        # the unit whose kernels cost the most (a backward pair is 2.5 forward ones)
+        u = int(np.argmax(fwd_U + BACKWARD_PER_FORWARD * bwd_U))
+        run.append((fwd_U[u], bwd_U[u]))
         mean.append(rank_J.mean())
         rank_ratio.append(packing.max_over_mean(rank_J))
         node_ratio.append(packing.max_over_mean(
             packing.rank_cost(rank_J, ranks // cfg.mesh.node_group)))
-    slowest = np.asarray(slowest)
+    slowest, run = np.asarray(slowest), np.asarray(run)
     per_rank_rows = rows // ranks
+    worst = float(per_rank_rows * seq * (seq + 1) / 2)  # every row one document
+    # …and what the kernels run then (a sequence shorter than a chunk is padded to it)
+    _, _, worst_run = unit_pairs(np.full(rows, seq), seq_len=seq, n_ranks=ranks,
+                                 ranks_per_unit=unit, balance=False, kernels=(tile, chunk))
     return {
         "documents": source, "batches": batches,
         "slowest_unit": "node" if unit > 1 else "rank",
@@ -118,9 +181,16 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
             "expected": float(slowest.mean()),
             "p95": float(np.percentile(slowest, 95)),
             "max_sampled": float(slowest.max()),
-            "worst_case": float(per_rank_rows * seq * (seq + 1) / 2),
+            "worst_case": worst,
             "mean_over_gpus": float(np.mean(mean)),
         },
+        # what the kernels run on the GPU of the unit they cost the most on
+        "kernel_pairs_per_gpu": {
+            name: {"expected": float(run[:, i].mean()),
+                   "p95": float(np.percentile(run[:, i], 95)),
+                   "worst_case": float(worst_run[i].max())}
+            for i, name in enumerate(("forward", "backward"))},
+        "kernel_tile": tile, "backward_chunk": chunk,
         "cost_max_over_mean": {"per_rank": float(np.mean(rank_ratio)),
                                "per_node": float(np.mean(node_ratio))},
     }
