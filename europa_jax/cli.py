@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--probe-moe-layers", metavar="A,B",
                       help="compile A and B MoE layers (e.g. 4,6) and extrapolate to the "
                       "config's depth")
+    plan.add_argument("--hardware", metavar="GPU_CHECK_JSON",
+                      help="efficiencies measured by benchmarks/gpu_check.py (its JSON's "
+                      "calibration) in place of the cited assumptions of plan/hardware.py")
     plan.add_argument("--search", action="store_true",
                       help="plan a grid of layouts (each in its own process) and print one "
                       "table and the fastest that fits (plan/layout_search.py)")
@@ -170,8 +173,11 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     if args.target != "cpu" and probes:
         raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
                           "compiles the whole depth in about a minute)")
-    from europa_jax.plan import gpu_target  # imports no jax
+    from europa_jax.plan import gpu_target, hardware  # import no jax
 
+    machine = hardware.GH200_JUPITER
+    if args.hardware:  # a bad file is refused before anything compiles
+        machine = hardware.calibrated(machine, args.hardware)
     if args.target != "cpu":
         gpu_target.require_toolchain(args.target)
     # a plan never touches a device: CPU is the backend, a GPU only a compilation target
@@ -183,7 +189,7 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
     report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
                        target=args.target, corpus=args.corpus,
-                       attention_batches=args.attention_batches)
+                       attention_batches=args.attention_batches, machine=machine)
     print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 
@@ -197,6 +203,7 @@ def _plan_search(args: argparse.Namespace, cfg) -> int:
         raise ConfigError("--probe-moe-layers: not with --search (each layout compiles whole)")
     extra = ["--target", args.target, "--attention-batches", str(args.attention_batches)]
     extra += ["--corpus", args.corpus] if args.corpus else []
+    extra += ["--hardware", args.hardware] if args.hardware else []
     rows = []
     for layout in search.layouts(args.config, args.set, args.devices, grid):
         if not args.json:

@@ -15,7 +15,7 @@ from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.model import moe_dispatch
 from europa_jax.model.moe import route
 from europa_jax.parallel import sharding
-from europa_jax.plan import hardware, hlo_report, links, plan
+from europa_jax.plan import hardware, hlo_report, links, plan, step_time, step_work
 from europa_jax.plan.step_compile import collective_numbers
 from test_comm import ROUTINGS, _moe_fn, ctx_for, moe_setup
 from test_moe import dense_reference
@@ -207,12 +207,17 @@ def test_the_plan_charges_each_link_its_part():
     assert a2a["link"] == "nvlink+infiniband"
     assert a2a["infiniband_bytes"] == pytest.approx(a2a["bytes_per_device"] * 4 / 7)
     assert a2a["infiniband_s"] == pytest.approx(
-        a2a["infiniband_bytes"] / (gh.network_bandwidth * gh.link_efficiency))
+        a2a["infiniband_bytes"] / (gh.network_bandwidth * gh.infiniband.expected))
     assert a2a["nvlink_s"] == pytest.approx(
-        a2a["nvlink_bytes"] / (3 * gh.nvlink_pair_bandwidth * gh.link_efficiency))
-    e = plan._estimate(0.0, 0.0, list(rows.values()), c2c_bytes=0.0, update_bytes=0.0,
-                       tokens_per_device=1.0, machine=gh)
-    assert e["infiniband_s"] == pytest.approx(sum(r["infiniband_s"] for r in rows.values()))
+        a2a["nvlink_bytes"] / (3 * gh.nvlink_pair_bandwidth * gh.nvlink.expected))
+    # the estimate charges each link the parts of every collective (step_work.py)
+    work = step_time.StepWork(
+        dense_gemms=(), grouped_gemms=(), attention_forward_flops=0.0,
+        attention_backward_flops=0.0, memory_bytes=0.0, update_bytes=0.0, to_host_bytes=0.0,
+        to_device_bytes=0.0, nvlink_peers=3, **step_work._links(list(rows.values())))
+    seconds = step_time.price(work, gh, "expected")
+    assert seconds["infiniband"] == pytest.approx(sum(r["infiniband_s"] for r in rows.values()))
+    assert seconds["nvlink"] == pytest.approx(sum(r["nvlink_s"] for r in rows.values()))
 
 
 def test_the_plan_prices_a_two_stage_exchange_by_the_nodes_a_token_visits():

@@ -339,7 +339,28 @@ def test_plan_command_reports_the_gpu_program_as_json():
     priced = (traffic["bytes_per_step"] + traffic["data_dependent_bytes_per_step"]
               - traffic["by_region"].get("optimizer update", 0)
               - traffic["data_dependent_by_region"].get("optimizer update", 0))
-    assert memory_s == pytest.approx(priced / (hw["hbm_bandwidth"] * hw["link_efficiency"]))
+    assert memory_s == pytest.approx(priced / (hw["hbm_bandwidth"]
+                                               * hw["memory_bound"]["expected"]))
+    # the step by class of kernel (step_time.py): the classes' FLOPs are those the plan
+    # counts; the memory-bound kernels and the update cost time; the range is ordered
+    e, f = r["estimate"], r["flops"]
+    by = e["by_class"]
+    assert by["memory_bound"]["bytes"] == pytest.approx(priced)
+    assert f["executed"] == pytest.approx(sum(c["flops"] for c in by.values()))
+    assert f["by_class"] == {k: c["flops"] for k, c in by.items() if c["flops"]}
+    assert set(f["by_class"]) == {"dense_gemm", "grouped_gemm", "attention_forward",
+                                  "attention_backward"}
+    # the kernels run the analytic count's work and more (masked attention pairs,
+    # FlashAttention's backward convention, windows' padding) — not less, not wildly more
+    assert f["executed_analytic"] <= f["executed"] < 3 * f["executed_analytic"]
+    for kind in ("memory_bound", "optimizer_update", "dense_gemm", "grouped_gemm"):
+        assert by[kind]["seconds"]["expected"] > 0, kind
+    rng = e["range"]
+    assert rng["low"]["step_s"] >= rng["expected"]["step_s"] >= rng["high"]["step_s"] > 0
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(rng["expected"]["tokens_per_s_per_gpu"])
+    assert e["calibration"].startswith("assumed") and "overlap" in e["overlap_model"]
+    assert r["kernel_classes"]["dense_gemm"]["shapes_count"] >= len(
+        r["kernel_classes"]["dense_gemm"]["shapes"]) > 0
     assert r["flops"]["attention_kernels"]["one_document_per_row"]["backward"] == 1.0
     # attention priced at the expected slowest rank of sampled batches, the worst case beside
     a, e = r["attention"], r["estimate"]

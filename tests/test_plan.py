@@ -133,26 +133,10 @@ def test_extrapolate_reads_each_number_off_its_line():
     assert step_compile.extrapolate(at_2, at_3, 2, 3, 59) == {"temp": 181.0, "flops": 4.0, "new": 57.0}
 
 
-def test_roofline_overlaps_links_with_compute_and_bounds_by_their_sum():
+def test_nvlink_bandwidth_counts_the_peers_of_a_quad():
     gh = hardware.GH200_JUPITER
-    rows = [{"nvlink_s": 2.0, "infiniband_s": 0.0}, {"nvlink_s": 0.0, "infiniband_s": 5.0},
-            {"nvlink_s": 0.0, "infiniband_s": 1.0}]
-    flops = gh.bf16_flops * gh.compute_efficiency * 4.0  # 4 s of compute
-    e = plan._estimate(flops, flops, rows, c2c_bytes=0.0, update_bytes=0.0,
-                       tokens_per_device=6000.0, machine=gh)
-    assert e["compute_s"] == pytest.approx(4.0)
-    assert e["step_overlapped_s"] == pytest.approx(6.0)  # InfiniBand is the longest
-    assert e["step_serial_s"] == pytest.approx(12.0)
-    assert e["tokens_per_s_per_gpu_overlapped"] == pytest.approx(1000.0)
     assert gh.nvlink_bandwidth(3) == 3 * gh.nvlink_pair_bandwidth  # all peers of a quad
     assert gh.nvlink_bandwidth(7) == 3 * gh.nvlink_pair_bandwidth
-    # memory-bound kernels run on the same SMs as the matmuls: they add to compute
-    hbm_s = 3.0 * gh.hbm_bandwidth * gh.link_efficiency  # bytes for 3 s
-    e = plan._estimate(flops, flops, rows, c2c_bytes=0.0, update_bytes=0.0,
-                       tokens_per_device=6000.0, machine=gh, kernel_bytes=hbm_s)
-    assert e["memory_s"] == pytest.approx(3.0)
-    assert e["step_overlapped_s"] == pytest.approx(7.0)  # compute 4 s + memory 3 s > 6 s
-    assert e["step_serial_s"] == pytest.approx(15.0)
 
 
 def test_compile_only_flags_replace_a_forced_device_count():

@@ -62,12 +62,12 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
         # of them between nodes (two-stage: one row per node visited, not per GPU)
         "routed_infiniband_bytes_per_step": routed * off_node,
         "routed_infiniband_s": routed * off_node / (machine.network_bandwidth
-                                                    * machine.link_efficiency),
+                                                    * machine.infiniband.expected),
     }
     if "exchange/buffer_bytes" in numbers:  # the GPU program's ragged exchanges
         bound_ib = numbers["exchange/buffer_infiniband_bytes"]
         out.update(buffer_bytes=numbers["exchange/buffer_bytes"],
                    buffer_infiniband_bytes=bound_ib,
                    buffer_infiniband_s=bound_ib / (machine.network_bandwidth
-                                                   * machine.link_efficiency))
+                                                   * machine.infiniband.expected))
     return out

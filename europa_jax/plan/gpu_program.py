@@ -25,7 +25,8 @@ import jax
 from europa_jax.config import Config
 from europa_jax.model import attention, kernels, moe, moe_dispatch
 from europa_jax.parallel import sharding
-from europa_jax.plan import exchange, gpu_target, hbm_traffic, hlo_report
+from europa_jax.plan import (exchange, gpu_target, hbm_traffic, hlo_program, hlo_report,
+                             kernel_classes)
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -77,9 +78,27 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
     numbers["exchange/buffer_infiniband_bytes"] = sum(c.infiniband_bytes for c in bound)
     largest = {"step": device_buffers(text, TOP_BUFFERS)}
     facts = program_facts(text, cfg)
-    facts["hbm_traffic"] = hbm_traffic.summary(hbm_traffic.kernels(text, expected_trips(cfg)))
+    # every launch in one class (kernel_classes.py); the memory-bound ones' bytes
+    mod = hlo_program.Module(text)
+    classified = kernel_classes.kernels(mod, expected_trips(cfg))
+    facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg))
+    facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
+                                                for k in classified if k.kind == "memory_bound"])
     numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
     return numbers, largest, facts
+
+
+def window_fill(cfg: Config) -> float:
+    """The share of an expert window's rows routing is expected to fill: a device
+    receives t·k copies on average (t tokens dispatched at once, top-k), split over its
+    expert groups, and a window is `moe_buffer_factor` × that, in whole kernel tiles."""
+    tokens = moe.dispatch_tokens(cfg)
+    e_local = cfg.model.n_routed_experts // cfg.mesh.expert
+    how = moe.local_experts(tokens, dataclasses.replace(cfg.model, grouped_matmul=(
+        kernels.grouped_matmul_impl(cfg.model, "gpu"))), e_local)
+    if how.windows is None:
+        return 1.0
+    return min(1.0, tokens * cfg.model.top_k / how.windows.groups / how.windows.window)
 
 
 def expected_trips(cfg: Config):

@@ -30,17 +30,17 @@ is ever reduced. The optimizer update is not linear in depth (Muon pads each sta
 leaf's matrices to a multiple of the devices, muon_sharded.py), so with probes it is
 also compiled alone at full depth: its memory, FLOPs and collectives are exact.
 
-Step time (hardware.py) — compute and the three links work concurrently, so
-    step ≈ max(compute + memory + optimizer update, NVLink, InfiniBand, NVLink-C2C)
-(overlapped) and their sum is the pessimistic bound (serial). compute = executed FLOPs /
-(peak · efficiency); memory = the GPU program's non-matmul kernels' HBM bytes
-(hbm_traffic.py; loops whose trip count is data at the trips the plan's assumptions give)
-/ (HBM bandwidth · efficiency); each link = its bytes / (bandwidth · efficiency). Collectives over `expert`
-and their parts inside a node ride NVLink, their parts between nodes InfiniBand — read
-from the devices of each one's replica groups, whatever its axes (links.py); the MoE's
-ragged exchanges are charged at the rows routing is expected to put in them, their
-buffers' size reported apart (`exchange`). Offloaded state and activations cross
-NVLink-C2C once each way per step.
+Step time (step_time.py): each class of kernel at its own efficiency (hardware.py) —
+dense GEMMs by shape, grouped GEMMs by rows per expert, flash attention forward and
+backward at the pairs the kernels run, memory-bound kernels and the update by HBM bytes,
+host copies over NVLink-C2C, collectives by link (each collective's replica groups say
+which of its bytes cross nodes: links.py; the MoE's ragged exchanges at the rows routing
+is expected to put in them, their buffers' size apart: `exchange`) — each at the low,
+expected and high end of its range, so the step is a range. The GEMM shapes, windows,
+memory-bound bytes and host copies are the GPU program's (step_work.py); with an XLA:CPU
+program they are analytic. Overlap: compute (GEMMs, attention, memory-bound kernels, the
+update) is one stream; collectives overlap it on the SMs NCCL leaves; host copies on the
+copy engines; `serial` adds everything, the bound if nothing overlapped.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ from europa_jax.config import Config
 from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
-from europa_jax.plan import attention_cost, exchange, gpu_program, gpu_target, hardware
+from europa_jax.plan import (attention_cost, exchange, gpu_program, gpu_target, hardware,
+                             kernel_classes, step_time, step_work)
 from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
 from europa_jax.train import qk_clip, train
@@ -143,12 +144,15 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
         compiled["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     compiled["seconds"] = time.perf_counter() - start
     out = report(cfg, name, state, replicated_params(state, mesh), numbers, largest, compiled,
-                 machine, target=target, attention=attention)
+                 machine, target=target, attention=attention,
+                 classes=facts.get("kernel_classes") if facts else None)
     if facts is not None:
         host_state = sum(k.get("pinned_host", 0) for k in state_bytes(state).values())
         out["kernels"] = gpu_program.kernel_checks(cfg, numbers, facts, host_state,
                                                 out["collectives"])
         out["hbm_traffic"] = facts["hbm_traffic"]
+        # the GPU program's kernels by class: the largest GEMM shapes and windows
+        out["kernel_classes"] = kernel_classes.trimmed(facts["kernel_classes"])
     return out
 
 
@@ -163,8 +167,9 @@ def _rows(numbers: dict[str, float], prefix: str, machine, cfg: Config) -> list[
             op, axes, dtype, field = key[len(prefix) + 1:].split("/")
             rows.setdefault((op, axes, dtype), {"op": op, "axes": axes, "dtype": dtype})[
                 fields[field]] = value
-    nvlink = machine.nvlink_bandwidth(cfg.mesh.node_group - 1) * machine.link_efficiency
-    network = machine.network_bandwidth * machine.link_efficiency
+    # at the expected link efficiencies (the estimate prices every end of the range)
+    nvlink = machine.nvlink_bandwidth(cfg.mesh.node_group - 1) * machine.nvlink.expected
+    network = machine.network_bandwidth * machine.infiniband.expected
     out = []
     for row in rows.values():
         row["count"] = int(round(row.get("count", 0)))
@@ -180,36 +185,16 @@ def _rows(numbers: dict[str, float], prefix: str, machine, cfg: Config) -> list[
     return sorted(out, key=lambda r: -r.get("bytes_per_device", 0.0))
 
 
-def _estimate(executed_flops: float, model_flops: float, rows: list[dict], c2c_bytes: float,
-              update_bytes: float, tokens_per_device: float, machine,
-              kernel_bytes: float = 0.0) -> dict[str, float]:
-    """Step time and throughput under the model in the module docstring."""
-    hbm = machine.hbm_bandwidth * machine.link_efficiency
-    seconds = {"compute_s": executed_flops / (machine.bf16_flops * machine.compute_efficiency),
-               # the non-matmul kernels of the GPU program (hbm_traffic.py): HBM-bound, on
-               # the same SMs as the matmuls (0 for the XLA:CPU program: not counted)
-               "memory_s": kernel_bytes / hbm,
-               # the update reads state and gradients and writes state: HBM-bound
-               "update_s": update_bytes / hbm,
-               "nvlink_s": sum(r["nvlink_s"] for r in rows),
-               "infiniband_s": sum(r["infiniband_s"] for r in rows),
-               "c2c_s": c2c_bytes / (machine.c2c_bandwidth * machine.link_efficiency)}
-    overlapped = max(seconds["compute_s"] + seconds["memory_s"] + seconds["update_s"],
-                     seconds["nvlink_s"], seconds["infiniband_s"], seconds["c2c_s"])
-    serial = sum(seconds.values())
-    return {**seconds, "step_overlapped_s": overlapped, "step_serial_s": serial,
-            "tokens_per_s_per_gpu_overlapped": tokens_per_device / overlapped,
-            "tokens_per_s_per_gpu_serial": tokens_per_device / serial,
-            "mfu_overlapped": model_flops / overlapped / machine.bf16_flops}
-
-
 def _xla(numbers: dict[str, float], prefix: str) -> dict[str, float]:
     return {k.split("/")[1]: v for k, v in numbers.items() if k.startswith(prefix + "/")}
 
 
 def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[str, float],
            largest: dict[str, list[dict]], compiled: dict, machine: hardware.Hardware,
-           target: str = "cpu", attention: dict[str, Any] | None = None) -> dict[str, Any]:
+           target: str = "cpu", attention: dict[str, Any] | None = None,
+           classes: dict | None = None) -> dict[str, Any]:
+    """The plan report from a compile's numbers; `classes`: the GPU program's kernels by
+    class (kernel_classes.summary), which the estimate prices shape by shape."""
     n_dev = cfg.mesh.n_devices
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     held = state_bytes(state)
@@ -252,8 +237,6 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     recompute = (numbers["flops/hlo_loss"] / numbers["flops/hlo_loss_no_remat"]
                  if numbers.get("flops/hlo_loss_no_remat") else 1.0)
     optimizer_flops = numbers.get("flops/optimizer", 0.0)
-    executed = model_flops * recompute + optimizer_flops
-    executed_worst = model_flops_at(gpu_pairs["worst_case"]) * recompute + optimizer_flops
     step_rows = _rows(numbers, "collective/step", machine, cfg)
     partitioner_rows = _rows(numbers, "collective/partitioner", machine, cfg)
     gpu_rows = _rows(numbers, "collective/compiled", machine, cfg)
@@ -271,13 +254,27 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         budget = {"hbm_bytes": gpu_target.TARGETS["gh200"].hbm_budget_bytes,
                   "host_bytes": machine.host_bytes}
         charged = step_rows + partitioner_rows
-    estimate = functools.partial(_estimate, model_flops=model_flops, c2c_bytes=host_total,
-                                 update_bytes=2 * all_state + grads,
-                                 tokens_per_device=tokens / n_dev, machine=machine,
-                                 kernel_bytes=numbers.get("hbm/non_gemm_priced", 0.0))
-    as_compiled = estimate(executed, rows=charged)
-    worst_case = estimate(executed_worst, rows=charged,
-                          model_flops=model_flops_at(gpu_pairs["worst_case"]))
+    update_bytes = 2 * all_state + grads  # the update reads state and gradients, writes state
+
+    def work(pairs: str, rows: list[dict], optimizer: float = optimizer_flops):
+        if classes:
+            return step_work.from_program(
+                cfg, classes, attention, rows, update_bytes=update_bytes, pairs=pairs,
+                memory_bytes=numbers.get("hbm/non_gemm_priced", 0.0))
+        return step_work.from_config(cfg, attention, rows, tokens_per_device=tokens / n_dev,
+                                     optimizer_flops=optimizer, host_bytes=host_total,
+                                     update_bytes=update_bytes, pairs=pairs)
+
+    def estimate(pairs: str, rows: list[dict], flops_of_model: float, **kw):
+        done = step_time.estimate(work(pairs, rows, **kw), machine,
+                                  tokens_per_device=tokens / n_dev, model_flops=flops_of_model)
+        return {k: v for k, v in done.items() if k not in ("by_class", "range", "gemms")}, done
+
+    as_compiled, priced = estimate("expected", charged, model_flops)
+    worst_case, worst_priced = estimate("worst_case", charged,
+                                        model_flops_at(gpu_pairs["worst_case"]))
+    by_class = priced["by_class"]
+    executed = sum(c["flops"] for c in by_class.values())
     fits = (hbm_peak is not None and hbm_peak <= budget["hbm_bytes"]
             and host_peak is not None and host_peak <= budget["host_bytes"])
     budget["host_bytes_strict"] = hardware.HOST_BYTES_STRICT  # 120 GB per node, 30 per GPU
@@ -297,8 +294,14 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         "layers": cfg.model.n_layers, "compiled": compiled, "machine": dataclasses.asdict(machine),
         "memory": memory,
         "flops": {"model": model_flops, "recompute_factor": recompute,
-                  "optimizer": optimizer_flops, "executed": executed,
-                  "executed_worst_case": executed_worst,
+                  "optimizer": optimizer_flops,
+                  # the matmul FLOPs the estimate prices: the classes' (step_work.py)
+                  "executed": executed,
+                  "by_class": {k: c["flops"] for k, c in by_class.items() if c["flops"]},
+                  "executed_worst_case": sum(c["flops"] for c in
+                                             worst_priced["by_class"].values()),
+                  # the model's FLOPs × the measured recompute, + the optimizer's
+                  "executed_analytic": model_flops * recompute + optimizer_flops,
                   # of the model FLOPs: the slowest GPU's attention pairs × 6 per layer/head
                   "attention_per_gpu": attention_flops,
                   "attention_kernels": attention_kernels(cfg),
@@ -309,6 +312,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         "kernels": [],
         # the GPU program's non-matmul kernels, bytes per step (hbm_traffic.py); GPU only
         "hbm_traffic": None,
+        # the GPU program's kernels by class (kernel_classes.py); GPU only
+        "kernel_classes": None,
         # analytic (the compiled numbers above include it): MuonClip's measurement and clip
         "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev),
         "attention": attention,
@@ -318,11 +323,19 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
             "basis": f"attention of the expected slowest {attention['slowest_unit']} over "
                      f"{attention['batches']} sampled batches ({attention['documents']})",
             "as_compiled": as_compiled,
+            # the step per class of kernel at each end of the efficiency ranges
+            "by_class": by_class,
+            "range": priced["range"],
+            # the GEMM shapes and windows that take longest, each with its efficiency
+            "gemms": priced["gemms"],
+            "overlap_model": step_time.OVERLAP_MODEL,
+            "calibration": machine.calibration,
+            "efficiencies": machine.efficiencies(),
             # every row one document: the bound no batch can exceed
             "worst_case": worst_case,
             # what the same step would take if the optimizer update stayed on each shard
-            "update_kept_local": None if gpu else estimate(model_flops * recompute,
-                                                           rows=step_rows),
+            "update_kept_local": None if gpu else estimate(
+                "expected", step_rows, model_flops, optimizer=0.0)[0],
         },
     }
 

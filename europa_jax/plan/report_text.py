@@ -72,7 +72,11 @@ def _flops(f: dict[str, Any], attention: dict[str, Any] | None = None) -> list[s
              f"{f['recompute_factor']:>12.3f}",
              f"  {'+ optimizer matmuls as partitioned (compiled program)':<66}"
              f"{pf(f['optimizer'])}",
-             f"  {'= executed':<66}{pf(f['executed'])}"]
+             f"  {'= analytic':<66}{pf(f['executed_analytic'])}",
+             f"  {'executed by the kernels (the estimate prices these):':<66}"
+             f"{pf(f['executed'])}",
+             "    " + ", ".join(f"{CLASS_LABELS[k]} {pf(v).strip()}"
+                               for k, v in f["by_class"].items())]
     kernels = f.get("attention_kernels")
     if kernels:
         one, many = kernels["one_document_per_row"], kernels["64_documents_per_row"]
@@ -156,6 +160,68 @@ def _estimate(e: dict[str, float], label: str) -> list[str]:
             f"{e['tokens_per_s_per_gpu_serial']:,.0f} tokens/s/GPU"]
 
 
+CLASS_LABELS = {"dense_gemm": "dense GEMMs", "grouped_gemm": "grouped GEMMs (experts)",
+                "attention_forward": "flash attention forward",
+                "attention_backward": "flash attention backward",
+                "memory_bound": "memory-bound kernels", "optimizer_update": "optimizer update",
+                "host_copy": "host copies (C2C)", "nvlink": "NVLink collectives",
+                "infiniband": "InfiniBand collectives"}
+
+
+def _amount(kind: str, row: dict) -> str:
+    """What a class moves or computes per GPU per step."""
+    if row["flops"]:
+        return _flop(row["flops"]).strip()
+    return size(row["bytes"]) + (" both ways" if kind == "host_copy" else "")
+
+
+def _step_table(r: dict[str, Any]) -> list[str]:
+    """The step by class of kernel: seconds at each end of the efficiency ranges, the
+    share of the serial sum, and the step as a range under the overlap model."""
+    e, hw = r["estimate"], r["machine"]
+    lines = [f"estimate on {hw['name']} (hardware.py): {e['calibration']}",
+             "  seconds per GPU per step at the low, expected and high end of every "
+             "efficiency range; share of the serial sum",
+             f"  {'class':<28}{'work':>18}{'low':>10}{'expected':>10}{'high':>10}"
+             f"{'share':>8}  efficiency (expected)"]
+    for kind, row in e["by_class"].items():
+        sec = row["seconds"]
+        eff = row.get("effective_efficiency", {}).get("expected")
+        if eff:  # what the class reached of the FLOP peak, whatever bound it
+            note = f"{eff:.0%} of the FLOP peak"
+        elif kind in _EFFICIENCY_OF:
+            note = (f"{e['efficiencies'][_EFFICIENCY_OF[kind]]['expected']:.0%} of "
+                    f"{_PEAK_OF[kind]}")
+        else:
+            note = ""
+        lines.append(f"  {CLASS_LABELS[kind]:<28}{_amount(kind, row):>18}{_s(sec['low']):>10}"
+                     f"{_s(sec['expected']):>10}{_s(sec['high']):>10}"
+                     f"{row['share_of_serial']:>8.1%}  {note}")
+    for kind in ("dense_gemm", "grouped_gemm"):
+        rows = e.get("gemms", {}).get(kind, [])
+        if rows:
+            lines.append(f"  longest {CLASS_LABELS[kind]} (expected):")
+            lines += [f"    {_s(g['seconds']):>9}  {g['shape']:<44} {_flop(g['flops']).strip():>16}"
+                      f"  {g['efficiency']:.0%} at {g['size']:,.0f}"
+                      + (", bound by its bytes" if g["bound"] == "HBM" else "") for g in rows[:4]]
+    rng = e["range"]
+    lines += [f"  {'step (overlap model)':<46}"
+              + "".join(f"{_s(rng[c]['step_s']):>10}" for c in ("low", "expected", "high")),
+              f"  tokens/s/GPU {rng['low']['tokens_per_s_per_gpu']:,.0f} – "
+              f"{rng['high']['tokens_per_s_per_gpu']:,.0f}, expected "
+              f"{rng['expected']['tokens_per_s_per_gpu']:,.0f} (MFU "
+              f"{rng['low']['mfu']:.1%} – {rng['high']['mfu']:.1%})",
+              f"  overlap model: {e['overlap_model']}"]
+    return lines
+
+
+# The efficiency (hardware.py) and the peak each byte-priced class is read against.
+_EFFICIENCY_OF = {"memory_bound": "memory_bound", "optimizer_update": "memory_bound",
+                  "host_copy": "host_copy", "nvlink": "nvlink", "infiniband": "infiniband"}
+_PEAK_OF = {"memory_bound": "HBM", "optimizer_update": "HBM", "host_copy": "C2C",
+            "nvlink": "NVLink", "infiniband": "InfiniBand"}
+
+
 def _gpu_memory(r: dict[str, Any]) -> list[str]:
     """Memory of the GPU program: XLA:GPU's own accounting, HBM and host apart."""
     m, budget, per = r["memory"], r["budget"], r["per_device"]
@@ -216,7 +282,7 @@ def _kernels(checks: list[dict]) -> list[str]:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    c, hw = r["compiled"], r["machine"]
+    c = r["compiled"]
     gpu = r["target"] != "cpu"
     rows = r["tokens_per_device"] / r["seq_len"]
     lines = [f"plan: {r['config']} on {r['devices']} devices (data {r['mesh']['data']} × expert "
@@ -255,12 +321,8 @@ def format_report(r: dict[str, Any]) -> str:
                                      "shard_map (compiled XLA:CPU program)")
     if r.get("exchange"):
         lines += [""] + _exchange(r["exchange"])
-    lines += ["", f"estimate on {hw['name']} (hardware.py): compute at "
-              f"{hw['compute_efficiency']:.0%} of {hw['bf16_flops'] / 1e12:.0f} TFLOP/s; links at "
-              f"{hw['link_efficiency']:.0%} of NVLink {hw['nvlink_pair_bandwidth'] / 1e9:.0f} GB/s "
-              f"per peer, InfiniBand {hw['network_bandwidth'] / 1e9:.0f} GB/s, C2C "
-              f"{hw['c2c_bandwidth'] / 1e9:.0f} GB/s"]
-    lines += _estimate(r["estimate"]["as_compiled"], "as compiled, at the expected slowest "
+    lines += [""] + _step_table(r)
+    lines += _estimate(r["estimate"]["as_compiled"], "expected, at the expected slowest "
                        "GPU's attention")
     if r["estimate"].get("worst_case"):
         lines += _estimate(r["estimate"]["worst_case"], "worst case (every row one document)")

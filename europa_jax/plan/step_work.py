@@ -1,0 +1,99 @@
+"""What one GPU does in a step (step_time.StepWork): from the GPU program, or from the
+config when the program compiled is XLA:CPU's.
+
+From the GPU program (`from_program`): every dense GEMM shape and grouped-GEMM window the
+optimized program runs, at its runs per step (kernel_classes.py); the memory-bound
+kernels' bytes (hbm_traffic.py); the host copies each way; the collectives by link.
+Attention's pairs are data: the kernels' pairs on the GPU whose kernels cost the most
+(attention_cost.py) × FLOPs per pair, for as many forward passes as the program runs the
+forward kernel per layer (remat recomputes it) and one backward.
+
+From the config (`from_config`, the XLA:CPU plan): the same classes, counted
+analytically — the routed experts' GEMMs at the rows per expert routing is expected to
+give, every other matmul as one dense GEMM class at the efficiency of a GEMM whose
+smallest dimension is the model width, no memory-bound kernels (XLA:CPU's are not a
+GPU's), the offloaded state and activations each way over C2C.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from europa_jax.config import Config
+from europa_jax.model import flops as model_flops
+from europa_jax.model import moe
+from europa_jax.plan.step_time import BACKWARD_PER_FORWARD, StepWork, attention_flops
+
+
+def _links(rows: list[dict]) -> dict[str, float]:
+    return {"nvlink_bytes": sum(r["nvlink_bytes"] for r in rows),
+            "infiniband_bytes": sum(r["infiniband_bytes"] for r in rows)}
+
+
+def _attention(cfg: Config, attention: dict[str, Any], passes: float, pairs: str
+               ) -> dict[str, float]:
+    """Forward and backward FLOPs of the kernels' pairs (`pairs`: expected, p95 or
+    worst_case) per GPU."""
+    m = cfg.model
+    run = attention["kernel_pairs_per_gpu"]
+    one = lambda p: attention_flops(p, heads=m.n_heads, d_qk=m.qk_head_dim, d_v=m.v_head_dim,
+                                    layers=m.n_layers)
+    return {"attention_forward_flops": passes * one(run["forward"][pairs]),
+            "attention_backward_flops": BACKWARD_PER_FORWARD * one(run["backward"][pairs])}
+
+
+def forward_passes(cfg: Config, classes: dict | None) -> float:
+    """How many times a layer's attention forward runs per step: the program's forward
+    kernel calls per layer, or 2 under full remat (the backward recomputes it)."""
+    if classes and classes["attention_forward"]["runs"]:
+        return max(1.0, round(classes["attention_forward"]["runs"] / cfg.model.n_layers))
+    return 2.0 if cfg.model.remat == "full" else 1.0
+
+
+def from_program(cfg: Config, classes: dict, attention: dict[str, Any], rows: list[dict], *,
+                 memory_bytes: float, update_bytes: float, pairs: str = "expected"
+                 ) -> StepWork:
+    """The GPU program's work (module docstring); `classes`: kernel_classes.summary."""
+    dense = tuple((gemm_label(s), float(min(s["m"], s["n"], s["k"])), s["flops"], s["bytes"])
+                  for s in classes["dense_gemm"]["shapes"])
+    grouped = tuple((f"{w['rows']:,} rows × {w['experts']} experts, {w['k']:,}→{w['n']:,}",
+                     w["rows_per_expert"], w["flops"], w["bytes"])
+                    for w in classes["grouped_gemm"]["windows"])
+    host = classes["host_copy"]
+    return StepWork(dense_gemms=dense, grouped_gemms=grouped,
+                    **_attention(cfg, attention, forward_passes(cfg, classes), pairs),
+                    memory_bytes=memory_bytes, update_bytes=update_bytes,
+                    to_host_bytes=host["to_host_bytes"], to_device_bytes=host["to_device_bytes"],
+                    nvlink_peers=cfg.mesh.node_group - 1, **_links(rows))
+
+
+def gemm_label(s: dict) -> str:
+    """`[batch ×] M × K → N`, as a GEMM shape row of kernel_classes.summary."""
+    return (f"{s['batch']} × " if s["batch"] > 1 else "") + f"{s['m']:,}×{s['k']:,}→{s['n']:,}"
+
+
+def routed_rows_per_expert(cfg: Config) -> float:
+    """Copies per local expert a device receives in one dispatch under uniform routing:
+    t·k copies (t tokens dispatched at once) over its E / ep experts."""
+    m = cfg.model
+    return moe.dispatch_tokens(cfg) * m.top_k * cfg.mesh.expert / max(1, m.n_routed_experts)
+
+
+def from_config(cfg: Config, attention: dict[str, Any], rows: list[dict], *,
+                tokens_per_device: float, optimizer_flops: float, host_bytes: float,
+                update_bytes: float, pairs: str = "expected") -> StepWork:
+    """The config's work, analytically (module docstring)."""
+    m = cfg.model
+    passes = forward_passes(cfg, None)
+    matmul_passes = passes + 2  # forward (again under remat), input and weight gradients
+    routed = 3 * m.top_k * m.d_model * m.expert_ffn_dim * m.n_moe_layers
+    dense = model_flops.matmul_params_per_token(m) - routed
+    grouped = ("routed experts (analytic)", routed_rows_per_expert(cfg),
+               2.0 * routed * tokens_per_device * matmul_passes, 0.0)
+    return StepWork(
+        dense_gemms=(("every other matmul (analytic)", float(m.d_model),
+                      2.0 * dense * tokens_per_device * matmul_passes + optimizer_flops, 0.0),),
+        grouped_gemms=(grouped,) if routed else (),
+        **_attention(cfg, attention, passes, pairs),
+        memory_bytes=0.0, update_bytes=update_bytes, to_host_bytes=host_bytes,
+        to_device_bytes=host_bytes, nvlink_peers=cfg.mesh.node_group - 1, **_links(rows))
