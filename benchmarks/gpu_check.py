@@ -21,6 +21,10 @@ this GPU's experts under even routing:
    131,072-row buffer with 32,768 rows filled over 96 groups, and on one expert window;
    attention on one 65,536-token document against 64 of 1,024; a 65,536 × 7,168 × 1,536
    `dot_general` in fp8 against bf16; GPU clocks and power while they ran.
+6. the calibration (gpu_calibration.py): each class of kernel the plan prices, measured
+   at europa-952b's shapes and written under "calibration" in the JSON, so that
+   `europa-jax plan CONFIG --devices N --hardware gpu_check.json` replaces the assumed
+   efficiencies of plan/hardware.py by these.
 Each part reports its own error instead of stopping the others (e.g. out of memory).
 
 Before any of that, where no GPU is present, every function above is compiled for one
@@ -53,6 +57,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_programs
+import gpu_calibration  # noqa: E402
 import gpu_regimes  # noqa: E402
 from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_kernel,  # noqa: E402
                           attention_reference, check_config, inputs, layer_flops,
@@ -61,8 +66,10 @@ from gpu_programs import builders as layer_builders  # noqa: E402
 
 
 def builders(cfg, tokens: int, smoke: bool) -> dict:
-    """Every check's programs (gpu_programs.py, gpu_regimes.py), for a mesh."""
-    return {**layer_builders(cfg, tokens, smoke), **gpu_regimes.builders(cfg, tokens, smoke)}
+    """Every check's programs (gpu_programs.py, gpu_regimes.py, gpu_calibration.py), for a
+    mesh."""
+    return {**layer_builders(cfg, tokens, smoke), **gpu_regimes.builders(cfg, tokens, smoke),
+            "calibration": lambda mesh: gpu_calibration.programs(cfg, tokens, mesh, smoke)}
 
 # Dense bf16 peaks by device kind (hardware.py cites the Hopper figure).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
@@ -286,7 +293,9 @@ def table(results: dict) -> str:
              ("device→pinned_host GB/s", get("offload", "device_to_host_gbps"), ""),
              ("pinned_host→device GB/s", get("offload", "host_to_device_gbps"), "")]
     rows += gpu_regimes.table_rows(results, get)
-    errors = errors_of({k: v for k, v in results.items() if k not in ("aot", "clocks")})
+    rows += gpu_calibration.table_rows(results.get("calibration", {}))
+    errors = errors_of({k: v for k, v in results.items()
+                        if k not in ("aot", "clocks", "calibration")})
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"{name:<{width}}  {value:>10}  {note}" for name, value, note in rows]
                      + errors)
@@ -395,6 +404,11 @@ def main() -> None:
             build["documents"](mesh), model, tokens, mesh, args.repeats))
         section(results, "fp8_dot", lambda: gpu_regimes.check_fp8(
             build["fp8_dot"](mesh), tokens, smoke, mesh, args.repeats))
+        # the efficiencies plan/hardware.py assumes, as `europa-jax plan --hardware` reads
+        # them (without a GPU: against a GH200's peak, at tiny shapes — it measures nothing)
+        section(results, "calibration", lambda: gpu_calibration.calibrate(
+            build["calibration"](mesh), cfg, tokens, mesh, smoke, args.repeats,
+            peak or PEAK_BF16["GH200"]))
     results["clocks"] = clocks.summary() if gpu else {"error": "no GPU"}
     results["seconds"] = time.perf_counter() - start
     write()

@@ -11,9 +11,11 @@ import sys
 import pytest
 
 from europa_jax.plan import gpu_target
-from conftest import REPO
+from conftest import REPO, config_path, process_env
 
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_check.py")
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import gpu_calibration  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,48 @@ def test_gpu_check_smoke_run_writes_every_measurement(smoke_run):
     assert report["clocks"] == {"error": "no GPU"}
     # nothing failed but the GPU clocks, which a CPU run has not (the GPU compile included)
     assert "error" not in json.dumps({k: v for k, v in report.items() if k != "clocks"})
-    assert stdout.strip().splitlines()[-1].startswith("SM clock MHz")
+    assert stdout.strip().splitlines()[-1].startswith("calibration host_copy")
+    # the calibration: every class the plan prices that one GPU can measure
+    cal = report["calibration"]
+    assert cal["smoke"] is True and cal["device"] == "cpu" and cal["repeats"] == 1
+    assert [p["size"] for p in cal["dense_gemm"]["points"]] == sorted(
+        {min(shape) for shape in gpu_calibration.dense_shapes(smoke_model(), 256).values()})
+    assert len(cal["grouped_gemm"]["points"]) == 3
+    for name in ("attention_forward", "attention_backward", "memory_bound", "host_copy"):
+        assert 0 < cal[name]["efficiency"]["low"] <= cal[name]["efficiency"]["high"] < 1, name
+
+
+def smoke_model():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import gpu_programs
+
+    return gpu_programs.check_config(True, 256).model
+
+
+def test_a_gpu_check_json_calibrates_the_plan(smoke_run, tmp_path):
+    """`gpu_check.py --cpu-smoke --json X`, then `europa-jax plan … --hardware X`: the
+    measured classes replace the assumed ones in the estimate (the calibration path
+    cannot rot; a smoke run's numbers say nothing about a GPU, and the plan says so)."""
+    report, _ = smoke_run
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps(report))
+    env = {**process_env(), "PYTHONPATH": REPO}
+    result = subprocess.run([sys.executable, "-m", "europa_jax.cli", "plan",
+                             config_path("tiny-cpu.yaml"), "--devices", "8", "--target", "cpu",
+                             "--attention-batches", "2", "--hardware", str(path), "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    e = plan["estimate"]
+    assert e["calibration"].startswith("measured by gpu_check on cpu") and "smoke" in e["calibration"]
+    cal = report["calibration"]
+    assert e["efficiencies"]["attention_backward"]["expected"] == pytest.approx(
+        cal["attention_backward"]["efficiency"]["expected"])
+    assert [p["size"] for p in e["efficiencies"]["dense_gemm"]["points"]] == [
+        p["size"] for p in cal["dense_gemm"]["points"]]
+    assert e["efficiencies"]["infiniband"]["source"].startswith("[ib]")  # not measurable here
+    # a CPU's "efficiency" against a GPU's peak: the estimate is far slower than assumed
+    assert e["range"]["high"]["tokens_per_s_per_gpu"] < 1e5
 
 
 def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
@@ -78,7 +121,13 @@ def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
         "offload": {"device_to_host", "host_to_device"}, "moe_received": {"fwd+bwd"},
         "grouped_regime": {f"{name}/{kind}" for name in ("buffer", "window")
                            for kind in ("fwd", "dgrad", "wgrad")},
-        "documents": {"one_document", "64_documents"}, "fp8_dot": {"bf16", "fp8_e4m3"}}
+        "documents": {"one_document", "64_documents"}, "fp8_dot": {"bf16", "fp8_e4m3"},
+        "calibration": {f"dense/{name}" for name in ("q_a", "q_b", "kv_a", "kv_b", "o",
+                                                       "shared_expert", "router", "lm_head")}
+        | {f"grouped/{size}/{kind}" for size in ("window", "quarter", "sixteenth")
+           for kind in ("fwd", "dgrad", "wgrad")}
+        | {"attention/forward", "attention/forward+backward", "memory/triad",
+           "memory/rms_norm", "host/device_to_host", "host/host_to_device"}}
     for check, programs in checks.items():
         for name, compiled in programs.items():
             assert compiled["compiled"] is True and compiled["hbm_bytes"] > 0, (check, name)
