@@ -228,9 +228,13 @@ class TrainConfig:
     # from process 0 or, with profile_all_processes, from each process.
     profile_steps: tuple[int, ...] = ()
     profile_all_processes: bool = False
+    # Gradient accumulation: the global batch in this many pieces inside the step, each
+    # holding its share of every device's rows (train.gradients): the same update as one
+    # piece, with 1/microbatches of the activations and a weight gather per piece.
+    microbatches: int = 1
 
     def __post_init__(self):
-        _positive(self, "steps", "log_every", "eval_batches")
+        _positive(self, "steps", "log_every", "eval_batches", "microbatches")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every: {self.eval_every} must be >= 0 (0: never)")
         steps = self.profile_steps
@@ -308,6 +312,11 @@ class Config:
         if data.global_batch_size % mesh.n_devices:
             raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
                               f"by the mesh's {mesh.n_devices} devices (data×expert)")
+        rows = data.global_batch_size // mesh.n_devices
+        if rows % self.train.microbatches:
+            raise ConfigError(f"train.microbatches: {self.train.microbatches} does not divide "
+                              f"the {rows} rows each device holds (data.global_batch_size "
+                              f"{data.global_batch_size} over {mesh.n_devices} devices)")
         if data.seq_len > m.max_position_embeddings:
             raise ConfigError(f"data.seq_len: {data.seq_len} > model.max_position_embeddings="
                               f"{m.max_position_embeddings}")

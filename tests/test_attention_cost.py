@@ -91,8 +91,8 @@ def test_kernel_pairs_are_the_kernels_count_of_every_row():
     lengths = lengths[np.cumsum(lengths) <= s * rows]
     length_X = np.append(lengths, s * rows - lengths.sum())
     placed = packing.pack_in_order(length_X, seq_len=s)
-    fwd_B, bwd_C = attention_cost.kernel_pairs(placed, rows, seq_len=s, rows_per_call=1,
-                                               tile=tile, chunk=chunk)
+    fwd_B, bwd_C = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=rows,
+                                               ranks_per_call=1, tile=tile, chunk=chunk)
     causal = s * (s + 1) / 2
     for r in range(rows):
         docs = placed.length_Z[placed.row_Z == r].tolist()
@@ -101,8 +101,8 @@ def test_kernel_pairs_are_the_kernels_count_of_every_row():
         assert bwd_C[r] == pytest.approx(ref["backward"] * causal)
     # one document per row: the whole causal row each way
     whole = packing.pack_in_order(np.full(rows, s), seq_len=s)
-    fwd_B, bwd_C = attention_cost.kernel_pairs(whole, rows, seq_len=s, rows_per_call=1,
-                                               tile=tile, chunk=chunk)
+    fwd_B, bwd_C = attention_cost.kernel_pairs(whole, seq_len=s, n_ranks=rows,
+                                               ranks_per_call=1, tile=tile, chunk=chunk)
     np.testing.assert_allclose(fwd_B, causal)
     np.testing.assert_allclose(bwd_C, causal)
 
@@ -116,14 +116,19 @@ def test_the_backward_runs_the_chunk_pairs_any_row_of_its_call_sees():
     s, tile, chunk = 512, 128, 128
     length_X = np.array([s] + [64] * 24)  # a whole row, then 3 rows of 8 short documents
     placed = packing.pack_in_order(length_X, seq_len=s)
-    fwd_B, bwd_C = attention_cost.kernel_pairs(placed, 4, seq_len=s, rows_per_call=4,
+    fwd_B, bwd_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=4, ranks_per_call=4,
                                                tile=tile, chunk=chunk)
     causal = s * (s + 1) / 2
-    assert bwd_C.tolist() == [4 * causal]
+    assert bwd_U.tolist() == [4 * causal]
     assert fwd_B[0] == causal and (fwd_B[1:] < causal / 2).all()
-    _, alone_C = attention_cost.kernel_pairs(placed, 4, seq_len=s, rows_per_call=1,
+    _, alone_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=4, ranks_per_call=1,
                                              tile=tile, chunk=chunk)
-    assert alone_C[0] == causal and (alone_C[1:] < causal / 2).all()
+    assert alone_U[0] == causal and (alone_U[1:] < causal / 2).all()
+    # one rank of 4 rows in 2 microbatches: a call holds 2 rows, so the whole-row document
+    # costs its own call only
+    _, split_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=1, ranks_per_call=1,
+                                             tile=tile, chunk=chunk, microbatches=2)
+    assert split_U[0] == 2 * causal + sum(alone_U[2:])
 
 
 def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):

@@ -117,8 +117,9 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
 
 def dispatch_tokens(cfg) -> int:
     """Tokens one device dispatches at once under a run's config (`Config`): its rows'
-    tokens, or `moe_chunk_tokens` of them."""
-    tokens = cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+    tokens in one microbatch (`train.microbatches`), or `moe_chunk_tokens` of them."""
+    tokens = (cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+              // cfg.train.microbatches)
     chunk = cfg.model.moe_chunk_tokens
     return min(tokens, chunk) if chunk else tokens
 

@@ -81,10 +81,10 @@ def global_batches(lengths_W: np.ndarray, batch_tokens: int, n: int, seed: int =
 
 
 def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_unit: int,
-               balance: bool, kernels: tuple[int, int] | None = None):
+               balance: bool, kernels: tuple[int, int, int] | None = None):
     """(pairs per rank [J], pairs per GPU of each unit [U]) of one global batch as the
-    balancer lays it out; with `kernels` = (tile, chunk) also the pairs the kernels run
-    per GPU of each unit, forward and backward ([U] each: `kernel_pairs`)."""
+    balancer lays it out; with `kernels` = (tile, chunk, microbatches) also the pairs the
+    kernels run per GPU of each unit, forward and backward ([U] each: `kernel_pairs`)."""
     placed = packing.pack(length_X, seq_len=seq_len, n_ranks=n_ranks, balance=balance,
                           ranks_per_unit=ranks_per_unit)
     n_rows = int(length_X.sum()) // seq_len
@@ -95,21 +95,25 @@ def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_un
     unit_U = packing.rank_cost(rank_J, units) / ranks_per_unit
     if kernels is None:
         return rank_J, unit_U
-    fwd_B, bwd_U = kernel_pairs(placed, n_rows, seq_len=seq_len, rows_per_call=n_rows // units,
-                                tile=kernels[0], chunk=kernels[1])
+    tile, chunk, microbatches = kernels
+    fwd_B, bwd_U = kernel_pairs(placed, seq_len=seq_len, n_ranks=n_ranks,
+                                ranks_per_call=ranks_per_unit, tile=tile, chunk=chunk,
+                                microbatches=microbatches)
     return rank_J, unit_U, (packing.rank_cost(fwd_B, units) / ranks_per_unit,
                             bwd_U / ranks_per_unit)
 
 
-def kernel_pairs(placed: packing.Placement, n_rows: int, *, seq_len: int, rows_per_call: int,
-                 tile: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """(forward pairs per row [B], backward pairs per kernel call [B / rows_per_call]) the
-    attention kernels run on a laid-out batch: the count flash_backward.kernel_pair_fraction
-    makes of one row, for every row at once, with the backward's chunk pairs chosen by
-    the earliest document start of any row of its call. `chunk` 0: no pairwise backward
-    (every row's whole causal triangle)."""
+def kernel_pairs(placed: packing.Placement, *, seq_len: int, n_ranks: int, ranks_per_call: int,
+                 tile: int, chunk: int, microbatches: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(forward pairs per row [B], backward pairs per unit of `ranks_per_call` ranks [U])
+    the attention kernels run on a laid-out batch: the count
+    flash_backward.kernel_pair_fraction makes of one row, for every row at once. A
+    backward call holds the unit's rows of one microbatch (each rank's i-th share of its
+    rows, train.microbatches) and runs the chunk pairs any of them sees: chosen by their
+    earliest document start. `chunk` 0: no pairwise backward (whole causal triangles)."""
     length_Z = placed.length_Z.astype(np.int64)
     start_Z = np.cumsum(length_Z) - length_Z  # rows are full and in order: global offsets
+    n_rows = int(length_Z.sum()) // seq_len
 
     def doc_start(row_Q, local_Q):
         """The local start of the document holding each (row, position)."""
@@ -124,19 +128,22 @@ def kernel_pairs(placed: packing.Placement, n_rows: int, *, seq_len: int, rows_p
     n_Q = (q1_Q - q0_Q).astype(np.float64)
     fwd_B = np.bincount(row_Q, weights=n_Q * (q1_Q - k0_Q) - n_Q * (n_Q - 1) / 2,
                         minlength=n_rows)
-    calls = n_rows // rows_per_call
+    units, per_rank = n_ranks // ranks_per_call, n_rows // n_ranks
+    rows_per_call = ranks_per_call * per_rank // microbatches
     if not chunk:
-        return fwd_B, np.full(calls, rows_per_call * seq_len * (seq_len + 1) / 2)
+        return fwd_B, np.full(units, ranks_per_call * per_rank * seq_len * (seq_len + 1) / 2)
     x = -(-seq_len // chunk)
     i_X = np.arange(x)
     first_BX = np.where(i_X * chunk < seq_len,
                         doc_start(np.repeat(rows, x), np.tile(np.minimum(i_X * chunk,
                                                                          seq_len - 1), n_rows)
                                   ).reshape(n_rows, x), seq_len)
-    first_CX = first_BX.reshape(calls, rows_per_call, x).min(axis=1)
-    off_C = (i_X[None] - first_CX // chunk).sum(axis=1)  # key chunks j < i a query sees
-    per_call = x * chunk * (chunk + 1) / 2 + off_C * float(chunk) ** 2
-    return fwd_B, rows_per_call * per_call
+    # rows are device-major: [unit, rank of the unit, microbatch, row of the share, chunk]
+    first_UMX = first_BX.reshape(units, ranks_per_call, microbatches,
+                                 per_rank // microbatches, x).min(axis=(1, 3))
+    off_UM = (i_X - first_UMX // chunk).sum(axis=-1)  # key chunks j < i a query sees
+    per_call_UM = x * chunk * (chunk + 1) / 2 + off_UM * float(chunk) ** 2
+    return fwd_B, rows_per_call * per_call_UM.sum(axis=1)
 
 
 def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = LONG_TAIL,
@@ -158,7 +165,7 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     for length_X in global_batches(lengths_W, rows * seq, batches, seed):
         rank_J, unit_U, (fwd_U, bwd_U) = unit_pairs(
             length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
-            balance=cfg.data.balance, kernels=(tile, chunk))
+            balance=cfg.data.balance, kernels=(tile, chunk, cfg.train.microbatches))
         slowest.append(unit_U.max())
         # the unit whose kernels cost the most (a backward pair is 2.5 forward ones)
         u = int(np.argmax(fwd_U + BACKWARD_PER_FORWARD * bwd_U))
@@ -172,7 +179,8 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     worst = float(per_rank_rows * seq * (seq + 1) / 2)  # every row one document
     # …and what the kernels run then (a sequence shorter than a chunk is padded to it)
     _, _, worst_run = unit_pairs(np.full(rows, seq), seq_len=seq, n_ranks=ranks,
-                                 ranks_per_unit=unit, balance=False, kernels=(tile, chunk))
+                                 ranks_per_unit=unit, balance=False,
+                                 kernels=(tile, chunk, cfg.train.microbatches))
     return {
         "documents": source, "batches": batches,
         "slowest_unit": "node" if unit > 1 else "rank",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -61,19 +62,25 @@ class Trainer:
     def abstract_params(self) -> Any:
         return self.abstract_state.params
 
-    def loss(self, params, router_bias_LE, batch: Batch):
+    def loss(self, params, router_bias_LE, batch: Batch, denominator=None):
         """`loss_and_stats` run as one shard_map over the whole mesh (explicit SPMD).
 
         Inside, every device holds its batch rows and parameter shards; the model gathers
         each weight where it is used and exchanges MoE tokens itself (comm.py), so all
         communication of the forward and backward pass is explicit in the lowered HLO.
+        `denominator`: divide the summed loss by it instead of this batch's target count
+        (a microbatch's share of the global batch's mean: `gradients`).
         """
         batch_spec = self.batch_sharding.spec
         body = functools.partial(_loss_in_context, self.spmd, self.model)
         sharded = jax.shard_map(
-            body, mesh=self.mesh, in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}),
+            body, mesh=self.mesh,
+            in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}, P()),
             out_specs=(P(), P()), check_vma=False)
-        return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch)
+        if denominator is None:
+            denominator = jnp.zeros((), jnp.float32)  # 0: this batch's own target count
+        return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch,
+                       denominator)
 
 
 def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
@@ -202,16 +209,18 @@ def abstract_batch(trainer: Trainer) -> Batch:
             for k in ("tokens", "segment_ids", "positions")}
 
 
-def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_bias_LE, batch):
+def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_bias_LE, batch,
+                     denominator):
     with comm.spmd(ctx):
-        return loss_and_stats(model, params, router_bias_LE, batch)
+        return loss_and_stats(model, params, router_bias_LE, batch, denominator)
 
 
-def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
+def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch, denominator=0.0):
     """Mean next-token cross entropy over tokens whose successor is in the same document.
 
     Sums are taken over every device under SPMD (comm.psum_all), so the mean is global;
-    so is the attention logit max (a max over every device, for QK-clip).
+    so is the attention logit max (a max over every device, for QK-clip). A positive
+    `denominator` replaces the batch's own target count (a microbatch's share).
     """
     tokens_BS = batch["tokens"]
     targets_BS = jnp.roll(tokens_BS, -1, axis=1)
@@ -220,7 +229,8 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch):
                                 batch["positions"], router_bias_LE, targets_BS)
     total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
     stats["attention_logit_max_LH"] = qk_clip.global_max(stats["attention_logit_max_LH"])
-    return total[0] / jnp.maximum(total[1], 1.0), stats
+    count = jnp.where(denominator > 0, denominator, total[1])
+    return total[0] / jnp.maximum(count, 1.0), stats
 
 
 def target_weights(segments_BS: jax.Array) -> jax.Array:
@@ -241,15 +251,79 @@ def jit_eval_step(trainer: Trainer):
     return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding))
 
 
+def microbatches(trainer: Trainer, batch: Batch) -> Batch:
+    """The global batch as `train.microbatches` microbatches stacked on a leading axis:
+    microbatch i holds the i-th share of every device's own rows (device-major rows), so
+    the split moves nothing between devices."""
+    m = trainer.cfg.train.microbatches
+    batch_axes = trainer.batch_sharding.spec[0]
+    named = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    shape = sharding.mesh_shape_of(trainer.mesh)
+    shards = math.prod(shape[a] for a in named)
+
+    def split(x_BS):
+        b, s = x_BS.shape
+        x_MBS = x_BS.reshape(shards, m, b // (shards * m), s).swapaxes(0, 1).reshape(
+            m, b // m, s)
+        return jax.lax.with_sharding_constraint(
+            x_MBS, NamedSharding(trainer.batch_sharding.mesh, P(None, batch_axes, None)))
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def merge_stats(a: dict, b: dict) -> dict:
+    """Two microbatches' stats as one batch's: maxima (attention logits) by max, counts
+    (expert loads, routed and exchanged rows, dispatches) by sum."""
+    return {k: jnp.maximum(a[k], b[k]) if "max" in k else a[k] + b[k] for k in a}
+
+
+def gradients(trainer: Trainer, params, router_bias_LE, batch: Batch):
+    """((loss, stats), gradients) of the global batch's mean loss.
+
+    With `train.microbatches` m > 1 the batch runs in m pieces (a `lax.scan`: each piece
+    gathers the weights again and holds only its own activations). Each piece's summed
+    loss is divided by the *global* batch's target count, so the pieces' losses and
+    gradients add up to exactly the whole batch's (gradients summed in float32, in the
+    parameters' shardings); stats merge as one batch's (`merge_stats`), so the router-bias
+    update and QK-clip see the whole batch.
+    """
+    grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
+    m = trainer.cfg.train.microbatches
+    if m == 1:
+        return grad_fn(params, router_bias_LE, batch)
+    denominator = jnp.maximum(target_weights(batch["segment_ids"]).sum(), 1.0)
+    pieces = microbatches(trainer, batch)
+    first = jax.tree.map(lambda x: x[0], pieces)
+    _, stats_shape = jax.eval_shape(trainer.loss, params, router_bias_LE, first, denominator)
+    param_shardings = jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                   trainer.state_shardings.params)
+
+    def zeros(p, s):
+        return jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s)
+
+    def add(carry, piece):
+        loss, stats, grads = carry
+        (loss_i, stats_i), grads_i = grad_fn(params, router_bias_LE, piece, denominator)
+        grads = jax.tree.map(lambda g, gi: g + gi.astype(jnp.float32), grads, grads_i)
+        return (loss + loss_i, merge_stats(stats, stats_i), grads), None
+
+    init = (jnp.zeros((), jnp.float32),
+            {k: jnp.full(v.shape, -jnp.inf if "max" in k else 0, v.dtype)
+             for k, v in stats_shape.items()},
+            jax.tree.map(zeros, params, param_shardings))
+    (loss, stats, grads), _ = jax.lax.scan(add, init, pieces)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return (loss, stats), grads
+
+
 def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """One optimizer step; pure, so it is jitted once with shardings and donation."""
     cfg, tx = trainer.cfg, trainer.tx
-    grad_fn = jax.value_and_grad(trainer.loss, has_aux=True)
     # Offloaded leaves arrive in host memory; out_shardings send the new ones back there.
     state = state.replace(params=offload.to_device(state.params, trainer.state_shardings.params),
                           opt_state=offload.to_device(state.opt_state,
                                                       trainer.state_shardings.opt_state))
-    (loss, stats), grads = grad_fn(state.params, state.router_bias_LE, batch)
+    (loss, stats), grads = gradients(trainer, state.params, state.router_bias_LE, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # MuonClip: heads whose logits of this forward exceeded τ are scaled back (no-op if off)
