@@ -326,7 +326,7 @@ def run_training(cfg, run_dir: str | None) -> int:
     except NonFiniteStop as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:  # e.g. the run directory in use (run_lock)
         _error(e)
         return exit_codes.BAD_INPUT
     summary = {"steps": cfg.train.steps}

@@ -222,7 +222,8 @@ class Checkpointer:
                                              else WRITING)
             if WRITING in seen and FAILED not in seen:
                 return None
-        error = self._error or self._finish()
+        finished = self._finish()  # also after a failed `manager.save`: what it started
+        error = self._error or finished
         seen = distributed.every_process(FAILED if error else DONE)
         step, self._pending, self._error = self._pending, None, None
         if FAILED not in seen:
