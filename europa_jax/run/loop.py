@@ -67,7 +67,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
 
 
 def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
-           validation: "Validation | None") -> list[dict]:
+           validation: Validation | None) -> list[dict]:
     is_primary = jax.process_index() == 0
     if is_primary:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
