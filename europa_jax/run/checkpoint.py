@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -183,11 +184,13 @@ class Checkpointer:
         """Start saving `state` as `step`; returns once the device→host copy is done.
 
         A write that fails, now or in the background, is reported by `outcome` (and
-        `close`), never raised here: the caller decides what a failed save means.
+        `close`), not raised here: the caller decides what a failed save means. One save
+        at a time: a previous one nobody asked about is waited for, and raises
+        `SaveFailed` if it failed (never silent).
         """
-        if self._pending is not None:
-            raise RuntimeError(f"step {step}: the save of step {self._pending} has no outcome "
-                               "yet (call outcome(wait=True) first)")
+        previous = self.outcome(wait=True)
+        if previous is not None and previous.error:
+            raise SaveFailed(previous)
         meta = {"step": step, "reason": reason, "config": to_dict(self.cfg),
                 "fingerprint": fingerprint(state), "process_count": jax.process_count(),
                 "mesh": {"data": self.cfg.mesh.data, "expert": self.cfg.mesh.expert},
@@ -246,8 +249,7 @@ class Checkpointer:
         about) and let the manager list the steps again: its own list dropped the steps
         this save would have deleted, which are still on disk."""
         if jax.process_index() == 0:
-            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            _remove_until_gone(self.directory, f"{step}.orbax-checkpoint-tmp*")
         distributed.all_processes(True)  # barrier: nobody lists steps before it is gone
         self.manager.reload()
 
@@ -311,6 +313,24 @@ class Checkpointer:
             self.manager.close()
         if outcome is not None and outcome.error:
             raise SaveFailed(outcome)
+
+
+def _remove_until_gone(directory: Path, pattern: str, quiet_s: float = 0.5,
+                       limit_s: float = 10.0) -> None:
+    """Remove `directory/pattern` until nothing matches for `quiet_s`. Orbax reports the
+    first write that failed while tensorstore may still finish others in its own threads
+    (for a tenth of a second, measured here), and a write makes its directories again. A
+    straggler after `limit_s` is removed by the next run's manager, as after a kill."""
+    start = quiet_since = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        found = list(directory.glob(pattern))
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        if found:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 def _is_stacked(path) -> bool:

@@ -26,16 +26,19 @@ class _RankFilter(logging.Filter):
         return True
 
 
+# asyncio's words for a task or future that failed with nobody awaiting it
+_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
 class _LibraryNoise(logging.Filter):
     """At normal verbosity a library's record keeps its message line but not its
-    traceback, and asyncio's "Task exception was never retrieved" is dropped. Both are how a
+    traceback, and asyncio's "... exception was never retrieved" is dropped. Both are how a
     failed Orbax save shows: a traceback from each thread it passed through, and one
-    unretrieved task per batch of arrays still being written; Orbax's error lines and the
-    loop's one line say what failed. --verbose shows everything."""
+    unretrieved task per array still being written; Orbax's error lines and the loop's one
+    line say what failed. --verbose shows everything."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "asyncio" and str(record.msg).startswith(
-                "Task exception was never retrieved"):
+        if record.name == "asyncio" and str(record.msg).startswith(_UNRETRIEVED):
             return False
         if record.exc_info and record.name.split(".")[0] in _LIBRARIES:
             record.exc_info, record.exc_text = None, None
