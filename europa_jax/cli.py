@@ -258,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             return sample.run(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
-            from europa_jax.run import distributed
             from europa_jax.interop.hf_import import import_hf
-
+            from europa_jax.run import distributed
             from europa_jax.run.save_outcome import SaveFailed
 
             distributed.start(cfg.mesh)  # every process reads and saves its own shards

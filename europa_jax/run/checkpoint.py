@@ -215,7 +215,7 @@ class Checkpointer:
         point), so the whole job learns of a failure after the same step. A failure on any
         process fails the save everywhere; a process whose write still goes on then waits
         for it (Orbax ends it at its barrier timeout). A failed save's temporary directory
-        is removed: the checkpoints on disk are the committed ones, the last good first.
+        is removed, so what is on disk are committed checkpoints, the newest the last good.
         """
         if self._pending is None:
             return None
@@ -319,8 +319,9 @@ def _remove_until_gone(directory: Path, pattern: str, quiet_s: float = 0.5,
                        limit_s: float = 10.0) -> None:
     """Remove `directory/pattern` until nothing matches for `quiet_s`. Orbax reports the
     first write that failed while tensorstore may still finish others in its own threads
-    (for a tenth of a second, measured here), and a write makes its directories again. A
-    straggler after `limit_s` is removed by the next run's manager, as after a kill."""
+    (up to 0.16 s later in tests/test_checkpoint.py's tiny saves), and a write makes its
+    directories again. A straggler after `limit_s` is removed by the next run's manager,
+    as after a kill."""
     start = quiet_since = time.monotonic()
     while time.monotonic() - start < limit_s:
         found = list(directory.glob(pattern))
