@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,8 +44,8 @@ from europa_jax import param_table
 from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
 from europa_jax.run import distributed
-from europa_jax.run.save_outcome import (DONE, FAILED, save_error, SaveFailed, SaveOutcome,
-                                         WRITING)
+from europa_jax.run.save_outcome import (DONE, FAILED, remove_failed_save, save_error,
+                                         SaveFailed, SaveOutcome, WRITING)
 from europa_jax.train.train import Trainer, TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -249,7 +248,7 @@ class Checkpointer:
         about) and let the manager list the steps again: its own list dropped the steps
         this save would have deleted, which are still on disk."""
         if jax.process_index() == 0:
-            _remove_until_gone(self.directory, f"{step}.orbax-checkpoint-tmp*")
+            remove_failed_save(self.directory, step)
         distributed.all_processes(True)  # barrier: nobody lists steps before it is gone
         self.manager.reload()
 
@@ -313,25 +312,6 @@ class Checkpointer:
             self.manager.close()
         if outcome is not None and outcome.error:
             raise SaveFailed(outcome)
-
-
-def _remove_until_gone(directory: Path, pattern: str, quiet_s: float = 0.5,
-                       limit_s: float = 10.0) -> None:
-    """Remove `directory/pattern` until nothing matches for `quiet_s`. Orbax reports the
-    first write that failed while tensorstore may still finish others in its own threads
-    (up to 0.16 s later in tests/test_checkpoint.py's tiny saves), and a write makes its
-    directories again. A straggler after `limit_s` is removed by the next run's manager,
-    as after a kill."""
-    start = quiet_since = time.monotonic()
-    while time.monotonic() - start < limit_s:
-        found = list(directory.glob(pattern))
-        for path in found:
-            shutil.rmtree(path, ignore_errors=True)
-        if found:
-            quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            return
-        time.sleep(0.05)
 
 
 def _is_stacked(path) -> bool:

@@ -1,4 +1,5 @@
-"""What became of a checkpoint save: its outcome, the error a user reads, the reason in a line.
+"""What became of a checkpoint save: its outcome, the error a user reads, the reason in a
+line, and the removal of what a failed one left.
 
 Orbax writes a save in background threads; a failure there (a full disk, a file system
 error) is only logged by Orbax, and raised at the next save. `Checkpointer.outcome` asks for
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
+import time
 from pathlib import Path
 
 
@@ -47,3 +50,22 @@ def save_error(e: BaseException) -> str:
         return f"{os.strerror(code)} [errno {code}]"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+def remove_failed_save(directory: Path, step: int, quiet_s: float = 0.5,
+                       limit_s: float = 10.0) -> None:
+    """Remove step `step`'s temporary directories from `directory` until none has
+    reappeared for `quiet_s`. Orbax reports the first write that failed while tensorstore
+    may still finish others in its own threads (up to 0.16 s later in
+    tests/test_checkpoint.py's tiny saves), and a write makes its directories again. A
+    straggler after `limit_s` is removed by the next run's manager, as after a kill."""
+    start = quiet_since = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        found = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        if found:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.05)
