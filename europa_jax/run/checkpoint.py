@@ -246,9 +246,13 @@ class Checkpointer:
     def _discard(self, step: int) -> None:
         """Remove a failed save's temporary directory (disk space, and no orphan to wonder
         about) and let the manager list the steps again: its own list dropped the steps
-        this save would have deleted, which are still on disk."""
+        this save would have deleted, which are still on disk. A step that got committed
+        all the same (a write after the rename failed) is set aside: a resume must not
+        pick a save that was reported failed."""
         if jax.process_index() == 0:
             remove_failed_save(self.directory, step)
+            if (self.directory / str(step)).exists():
+                self._move_to_corrupt(step)
         distributed.all_processes(True)  # barrier: nobody lists steps before it is gone
         self.manager.reload()
 
@@ -298,11 +302,14 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Keep an unusable checkpoint for inspection, out of the way of the step re-saved."""
         if jax.process_index() == 0:
-            target = self.run_dir / CORRUPT_SUBDIR / f"{step}-{datetime.datetime.now():%Y%m%d%H%M%S}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), target)
+            self._move_to_corrupt(step)
         distributed.all_processes(True)  # barrier: nobody lists steps before the move is done
         self.manager.reload()
+
+    def _move_to_corrupt(self, step: int) -> None:
+        target = self.run_dir / CORRUPT_SUBDIR / f"{step}-{datetime.datetime.now():%Y%m%d%H%M%S}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), target)
 
     def close(self) -> None:
         """Wait for the last save; raise `SaveFailed` if it failed and nobody asked."""
