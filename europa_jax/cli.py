@@ -227,13 +227,20 @@ def _use_cpu_devices(n: int, platform: str | None = None) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _error(e: Exception) -> None:
+    """`europa-jax: error: ...` on stderr, once per line of the message (an import names each
+    problem of its weights on a line of its own)."""
+    for line in str(e).splitlines() or [type(e).__name__]:
+        print(f"europa-jax: error: {line}", file=sys.stderr)
+
+
 def _report(args: argparse.Namespace) -> int:
     from europa_jax.run import report
 
     try:
         summary = report.write_report(args.run_dir, args.out)
     except report.ReportError as e:
-        print(f"europa-jax: error: {e}", file=sys.stderr)
+        _error(e)
         return exit_codes.BAD_INPUT
     print(report.format_summary(summary))
     return exit_codes.OK
@@ -258,11 +265,17 @@ def main(argv: list[str] | None = None) -> int:
             return sample.run(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
-            from europa_jax.run import distributed
             from europa_jax.interop.hf_import import import_hf
+            from europa_jax.run import distributed
+            from europa_jax.run.save_outcome import SaveFailed
 
             distributed.start(cfg.mesh)  # every process reads and saves its own shards
-            print(json.dumps(import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)))
+            try:
+                summary = import_hf(args.hf_dir, cfg, args.out, overwrite=args.overwrite)
+            except SaveFailed as e:  # the disk: nothing of the import was kept
+                _error(e)
+                return exit_codes.CRASH
+            print(json.dumps(summary))
             return exit_codes.OK
         if args.command == "plan":
             return _plan(args, cfg)
@@ -279,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
         return run_training(cfg, args.run_dir)
     except (ConfigError, DataError, FileNotFoundError) as e:
-        print(f"europa-jax: error: {e}", file=sys.stderr)
+        _error(e)
         return exit_codes.BAD_INPUT
     except StartError as e:  # the distributed runtime refused to start: not the user's input
-        print(f"europa-jax: error: {e}", file=sys.stderr)
+        _error(e)
         return exit_codes.CRASH
 
 
@@ -295,7 +308,7 @@ def _export(args) -> int:
                          max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.overwrite,
                          tokenizer=args.tokenizer)
     except CheckpointError as e:
-        print(f"europa-jax: error: {e}", file=sys.stderr)
+        _error(e)
         return exit_codes.BAD_INPUT
     print(json.dumps(summary))
     return exit_codes.OK
@@ -306,17 +319,21 @@ def run_training(cfg, run_dir: str | None) -> int:
     from europa_jax.run.checkpoint import CheckpointError
     from europa_jax.run.loop import NonFiniteStop, train
     from europa_jax.run.preemption import Preempted
+    from europa_jax.run.save_outcome import SaveFailed
 
     try:
         records = train(cfg, run_dir)
+    except SaveFailed as e:  # a full disk, not the user's input: the last good one is kept
+        _error(e)
+        return exit_codes.CRASH
     except Preempted as e:
         print(f"europa-jax: {e}", file=sys.stderr)
         return exit_codes.PREEMPTED
     except NonFiniteStop as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE
-    except CheckpointError as e:
-        print(f"europa-jax: error: {e}", file=sys.stderr)
+    except (CheckpointError, ConfigError) as e:  # e.g. the run directory in use (run_lock)
+        _error(e)
         return exit_codes.BAD_INPUT
     summary = {"steps": cfg.train.steps}
     if records:  # empty when the run directory already held the final step

@@ -256,6 +256,10 @@ class CheckpointConfig:
     # "skip" goes on with the next batch, "stop" ends the run keeping the last checkpoint.
     nan_policy: Literal["skip", "stop"] = "skip"
     max_consecutive_skips: int = 10  # then "skip" stops too: the run is not recovering
+    # A save that fails (a full disk, a file system error) is reported when the loop learns
+    # of it; "stop" ends the run (exit 1) keeping the last good checkpoint, "continue" trains
+    # on to the next save. The final and preemption saves end the run either way.
+    on_save_error: Literal["stop", "continue"] = "stop"
 
     def __post_init__(self):
         _positive(self, "keep", "max_consecutive_skips")

@@ -1,6 +1,9 @@
-"""Checkpoints: kill/resume bitwise, preemption, corrupt checkpoints, resharding, NaN policy."""
+"""Checkpoints: kill/resume bitwise, preemption, corrupt checkpoints, resharding, NaN policy,
+one writer per run directory, failed saves."""
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -16,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.config import MeshConfig
+from europa_jax.config import CheckpointConfig, MeshConfig
 from europa_jax.parallel import sharding
-from europa_jax.run import checkpoint, exit_codes, loop
+from europa_jax.run import checkpoint, exit_codes, loop, run_lock
+from europa_jax.run.save_outcome import save_error, SaveFailed, SaveOutcome
 from europa_jax.train import train
 from conftest import REPO, config_path, process_env
 
@@ -107,6 +111,8 @@ def test_sigkill_at_a_random_step_then_restart_equals_an_uninterrupted_run(
     wait_for_step(proc, tmp_path, kill_after)
     proc.send_signal(signal.SIGKILL)  # no handler can run: whatever is on disk must do
     proc.wait()
+    # The killed run's lock file stays, naming it; its lock died with it (run_lock.py).
+    assert f'"pid": {proc.pid}' in (tmp_path / run_lock.LOCK_FILE).read_text()
     resumed_from = max(checkpoint.committed_steps(tmp_path), default=0)
     rc, _, err = run_cli(tmp_path, cli_env)
     assert rc == exit_codes.OK, err[-3000:]
@@ -152,6 +158,114 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_ch
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)
         assert np.all(np.isfinite(after[key])), key
     assert "checkpoint.nan_policy=skip" in err
+
+
+def wait_for_lock(proc, run_dir, timeout=300):
+    """Until `proc` holds the run directory's lock (before it writes anything there)."""
+    path = Path(run_dir) / run_lock.LOCK_FILE
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before locking: {proc.stderr.read()[-2000:]}")
+        if path.exists() and f'"pid": {proc.pid}' in path.read_text():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{path} did not name pid {proc.pid} within {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_second_train_on_the_run_directory_is_refused_and_the_first_is_unharmed(
+        tmp_path, cli_env, reference_run):
+    first = start_cli(tmp_path, cli_env)
+    wait_for_lock(first, tmp_path)
+    first.send_signal(signal.SIGSTOP)  # frozen while holding it: the second surely overlaps
+    try:
+        rc, _, err = run_cli(tmp_path, cli_env)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert rc == exit_codes.BAD_INPUT, err[-3000:]
+    assert [line for line in err.splitlines() if "europa-jax" in line and "error" in line] == [
+        f"europa-jax: error: {tmp_path}: in use by `europa-jax train` on {socket.gethostname()}, "
+        f"pid {first.pid}, since " + err.split(", since ")[1].splitlines()[0]]
+    assert "Traceback" not in err
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == exit_codes.OK, err[-3000:]
+    metrics(tmp_path)  # every line valid JSON: one writer
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert not [e for e in events(tmp_path) if e["event"] == "checkpoint_restored"]
+    assert_same_run(tmp_path, reference_run)
+
+
+@contextlib.contextmanager
+def small_disk(path, size):
+    """A tmpfs of `size` bytes mounted at `path`, and a function to resize it (root: CI
+    runs as root; elsewhere the test is skipped, and the fault-hook variant still runs)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield lambda new_size: subprocess.run(
+            ["mount", "-o", f"remount,size={new_size}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def disk_bytes(path):
+    """Bytes the files under `path` take on disk (whole blocks, as a tmpfs counts them)."""
+    return sum(p.stat().st_blocks * 512 for p in Path(path).rglob("*") if p.is_file())
+
+
+# `europa-jax` whose step-4 save fails (ENOSPC) in its synchronous part, for machines where
+# a small tmpfs cannot be mounted: a test-only fault, not a hook in the package.
+FAULT_DRIVER = """
+import errno, sys
+from europa_jax.run import checkpoint
+save = checkpoint.ProcessJsonHandler.save
+def save_or_fail(self, directory, args):
+    if directory.parent.name.split(".")[0] == "4":
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+    return save(self, directory, args)
+checkpoint.ProcessJsonHandler.save = save_or_fail
+from europa_jax.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["full_disk", "fault_hook"])
+def test_a_failed_save_stops_the_run_in_one_line_and_a_resume_is_exact(
+        tmp_path, cli_env, reference_run, fault):
+    with contextlib.ExitStack() as stack:
+        if fault == "full_disk":  # room for one checkpoint: step 4's background write fails
+            room = 3 * max(disk_bytes(checkpoint.checkpoint_dir(reference_run) / str(step))
+                           for step in checkpoint.committed_steps(reference_run)) // 2
+            resize = stack.enter_context(small_disk(checkpoint.checkpoint_dir(tmp_path), room))
+            rc, _, err = run_cli(tmp_path, cli_env)
+        else:
+            args = [a for item in TINY for a in ("--set", item)]
+            done = subprocess.run([sys.executable, "-c", FAULT_DRIVER, "train",
+                                   config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path),
+                                   *args], cwd=REPO, env=cli_env, capture_output=True,
+                                  text=True, timeout=600)
+            rc, err = done.returncode, done.stderr
+        assert rc == exit_codes.CRASH, err[-3000:]
+        ckpt_dir = checkpoint.checkpoint_dir(tmp_path)
+        assert [line for line in err.splitlines() if line.startswith("europa-jax")] == [
+            f"europa-jax: error: checkpoint at step 4 failed: No space left on device [errno 28] "
+            f"({ckpt_dir}); last good checkpoint: step 2"], err[-3000:]
+        assert "Traceback" not in err, err[-3000:]  # Orbax's lines stay, not their tracebacks
+        (failed,) = [e for e in events(tmp_path) if e["event"] == "checkpoint_failed"]
+        assert (failed["step"], failed["last_good"], failed["action"]) == (4, 2, "stop")
+        assert [p.name for p in ckpt_dir.iterdir()] == ["2"]  # the partial save removed
+        if fault == "full_disk":
+            resize(64 * 2**20)
+        rc, _, err = run_cli(tmp_path, cli_env)
+        assert rc == exit_codes.OK, err[-3000:]
+        assert {"event": "checkpoint_restored", "step": 2}.items() <= \
+            [e for e in events(tmp_path) if e["event"] == "checkpoint_restored"][-1].items()
+        assert_same_run(tmp_path, reference_run)
 
 
 MULTI_PROCESS_DRIVER = """
@@ -217,7 +331,7 @@ def small(tiny_cfg):
 
 
 class Events(list):
-    def __call__(self, event, **fields):
+    def __call__(self, event, message=None, level=None, **fields):
         self.append({"event": event, **fields})
 
 
@@ -355,3 +469,96 @@ def test_fingerprint_is_sharding_independent_and_sees_one_bit(small):
     flipped = host.copy()
     flipped.view(np.uint32)[3] ^= 1
     assert checkpoint.host_bit_sum(flipped) != fp["final_norm.scale"]
+
+
+def test_a_failed_background_save_is_reported_cleaned_up_and_the_next_one_works(small, tmp_path):
+    tiny_cfg, trainer, state, _ = small
+    saver = None
+    with small_disk(checkpoint.checkpoint_dir(tmp_path), 64 * 2**20) as resize:
+        try:
+            saver = checkpoint.Checkpointer(tiny_cfg, tmp_path, trainer)
+            saver.save(1, state.replace(step=jnp.int32(1)), {"at": 1}, reason="test")
+            assert saver.outcome(wait=True) == SaveOutcome(1)
+            assert saver.outcome(wait=True) is None  # reported once
+            resize(disk_bytes(checkpoint.checkpoint_dir(tmp_path)) + 64 * 2**10)  # full
+            saver.save(2, state.replace(step=jnp.int32(2)), {"at": 2}, reason="test")
+            failed = saver.outcome(wait=True)
+            assert failed == SaveOutcome(2, "No space left on device [errno 28]",
+                                                    checkpoint.checkpoint_dir(tmp_path), 1)
+            assert [p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir()] == ["1"]
+            resize(64 * 2**20)  # "continue": the next save is a save like any other
+            saver.save(3, state.replace(step=jnp.int32(3)), {"at": 3}, reason="test")
+            saver.close()
+            saver = None
+            assert checkpoint.committed_steps(tmp_path) == [1, 3]
+            restored = checkpoint.Checkpointer(tiny_cfg, tmp_path, trainer).restore_latest(Events())
+            assert restored.step == 3 and restored.data_state == {"at": 3}
+        finally:
+            if saver is not None:
+                saver.manager.close()
+
+
+class Outcomes:
+    """A checkpointer whose saves have these outcomes, in turn."""
+
+    def __init__(self, *outcomes):
+        self.outcomes = list(outcomes)
+
+    def outcome(self, wait=False):
+        return self.outcomes.pop(0) if self.outcomes else None
+
+
+def test_save_guard_reports_each_outcome_and_applies_on_save_error():
+    failed = SaveOutcome(8, "No space left on device [errno 28]",
+                                    Path("/runs/x/checkpoints"), 4)
+    line = ("checkpoint at step 8 failed: No space left on device [errno 28] "
+            "(/runs/x/checkpoints); last good checkpoint: step 4")
+    for policy, ending, stops in [("stop", False, True), ("continue", False, False),
+                                  ("continue", True, True)]:
+        log = Events()
+        guard = loop.SaveGuard(Outcomes(SaveOutcome(6), failed),
+                               CheckpointConfig(on_save_error=policy), log)
+        guard.check()
+        if stops:
+            with pytest.raises(SaveFailed) as raised:
+                guard.check(ending=ending)
+            assert str(raised.value) == line
+        else:
+            guard.check(ending=ending)
+        assert log == [{"event": "checkpoint_saved", "step": 6},
+                       {"event": "checkpoint_failed", "step": 8, "error": failed.error,
+                        "last_good": 4, "action": "stop" if stops else "continue"}]
+    guard = loop.SaveGuard(Outcomes(failed), CheckpointConfig(), Events())
+    guard.check(raise_error=False)  # on the way out for another reason: reported, not raised
+
+
+def test_save_error_puts_the_operating_systems_reason_first():
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database at local '
+                             'file "/c/8.orbax-checkpoint-tmp/": Failed to write 54432 bytes to '
+                             "file 11: No space left on device [os_error_code='28']")
+    assert save_error(tensorstore) == "No space left on device [errno 28]"
+    assert save_error(OSError(errno.EDQUOT, "quota")) == \
+        f"{os.strerror(errno.EDQUOT)} [errno {errno.EDQUOT}]"
+    assert save_error(TimeoutError("Timed out at a barrier\nmore")) == \
+        "TimeoutError: Timed out at a barrier"
+
+
+def test_a_save_reported_failed_after_its_commit_is_set_aside(small, tmp_path):
+    tiny_cfg, trainer, state, _ = small
+    saver = checkpoint.Checkpointer(tiny_cfg, tmp_path, trainer)
+    saver.save(1, state.replace(step=jnp.int32(1)), {"at": 1}, reason="test")
+    saver.save(2, state.replace(step=jnp.int32(2)), {"at": 2}, reason="test")
+    wait = saver.manager.wait_until_finished
+
+    def written_then_failed():  # e.g. a metadata write after the rename hit a full disk
+        wait()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    saver.manager.wait_until_finished = written_then_failed
+    failed = saver.outcome(wait=True)
+    saver.manager.wait_until_finished = wait
+    saver.close()
+    assert (failed.step, failed.last_good) == (2, 1)
+    assert checkpoint.committed_steps(tmp_path) == [1]  # a resume takes the last good one
+    assert [p.name.split("-")[0] for p in (tmp_path / checkpoint.CORRUPT_SUBDIR).iterdir()] \
+        == ["2"]

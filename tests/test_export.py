@@ -1,5 +1,6 @@
 """Export to / import from the Hugging Face DeepseekV3 layout: logits parity with
-transformers, exact round trip, file layout, and refusals that write nothing."""
+transformers, exact round trip, file layout, and refusals that write nothing (a broken
+weights directory named tensor by tensor, a run directory in use)."""
 
 import json
 import shutil
@@ -13,6 +14,7 @@ import pytest
 import torch  # the test extra: an independent DeepseekV3 to compare logits with
 import transformers
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
@@ -220,7 +222,7 @@ def test_export_refuses_a_non_empty_target_and_a_corrupted_checkpoint(trained, t
     assert not list(tmp_path.glob(".never.tmp-*"))
 
 
-def test_import_names_the_first_mismatch_and_writes_nothing(trained, exported_fp32, tmp_path):
+def test_import_names_a_config_mismatch_and_writes_nothing(trained, exported_fp32, tmp_path):
     _, cfg = trained
     hf = tmp_path / "hf"
     shutil.copytree(exported_fp32, hf)
@@ -231,11 +233,80 @@ def test_import_names_the_first_mismatch_and_writes_nothing(trained, exported_fp
     with pytest.raises(ConfigError, match=r"moe_intermediate_size=32 but the config has "
                                           r"model\.expert_ffn_dim=64"):
         hf_import.import_hf(hf, cfg, out)
-    shutil.copy(exported_fp32 / "config.json", hf / "config.json")
-    index = json.loads((hf / hf_import.INDEX).read_text())
-    del index["weight_map"]["model.layers.2.mlp.experts.3.up_proj.weight"]
-    (hf / hf_import.INDEX).write_text(json.dumps(index))
-    with pytest.raises(ConfigError, match=r"1 tensors missing, e\.g\. "
-                                          r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
-        hf_import.import_hf(hf, cfg, out)
     assert not out.exists()
+
+
+def rewrite_shard(hf, name, change):
+    """Rewrite the shard file holding tensor `name` with `change(tensors)` applied; its path."""
+    index = json.loads((hf / hf_import.INDEX).read_text())
+    path = hf / index["weight_map"][name]
+    with safe_open(path, framework="numpy") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+KV_NORM = "model.layers.1.self_attn.kv_a_layernorm.weight"
+EXTRA = "model.layers.1.self_attn.extra_proj.weight"
+
+
+def damage(hf, kind):
+    """One kind of broken HF directory (config.json intact); the one line import must print."""
+    if kind == "missing_from_shard":  # still listed in the index
+        path = rewrite_shard(hf, KV_NORM, lambda t: t.pop(KV_NORM))
+        return f"{path}: {KV_NORM} is listed in {hf_import.INDEX} but not in the file"
+    if kind == "wrong_shape":
+        path = rewrite_shard(hf, KV_NORM, lambda t: t.update({KV_NORM: t[KV_NORM][:-1]}))
+        n = load_config(config_path("tiny-cpu.yaml")).model.kv_lora_rank
+        return f"{path}: {KV_NORM} has shape [{n - 1}], the config implies [{n}]"
+    if kind == "wrong_dtype":
+        path = rewrite_shard(hf, KV_NORM, lambda t: t.update({KV_NORM: t[KV_NORM].astype(
+            np.int32)}))
+        return f"{path}: {KV_NORM} is I32, expected a float (F32, BF16, F16, F64)"
+    assert kind == "unexpected"  # in a shard and in the index
+    path = rewrite_shard(hf, KV_NORM, lambda t: t.update({EXTRA: np.ones((4, 4), np.float32)}))
+    index = json.loads((hf / hf_import.INDEX).read_text())
+    index["weight_map"][EXTRA] = path.name
+    (hf / hf_import.INDEX).write_text(json.dumps(index))
+    return f"{path}: {EXTRA} is not a tensor of this config"
+
+
+@pytest.mark.parametrize("kind", ["missing_from_shard", "wrong_shape", "wrong_dtype",
+                                  "unexpected"])
+def test_import_checks_every_tensor_against_its_file_in_one_line_each(exported_fp32, tmp_path,
+                                                                       kind):
+    hf = tmp_path / "hf"
+    shutil.copytree(exported_fp32, hf)
+    line = damage(hf, kind)
+    out = tmp_path / "run"
+    result = cli("import", str(hf), "--config", config_path("tiny-cpu.yaml"),
+                 *[a for item in TRAIN for a in ("--set", item)], "--out", str(out))
+    assert result.returncode == exit_codes.BAD_INPUT, result.stderr[-3000:]
+    errors = [x for x in result.stderr.splitlines() if x.startswith("europa-jax")]
+    assert errors == [f"europa-jax: error: {line}"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()  # nothing written, not even the run directory's lock
+
+
+def test_import_and_export_refuse_a_run_directory_in_use(trained, exported_fp32, tmp_path):
+    from test_run_lock import start_holder
+
+    run_dir, _ = trained
+    busy = tmp_path / "busy"
+    holder = start_holder(busy)  # a train going on there
+    try:
+        (busy / "metrics.jsonl").write_text("{}\n")
+        sets = [a for item in TRAIN for a in ("--set", item)]
+        for args in (["import", str(exported_fp32), "--config", config_path("tiny-cpu.yaml"),
+                      *sets, "--out", str(busy), "--overwrite"],
+                     ["export", str(run_dir), "--out", str(busy), "--overwrite"]):
+            result = cli(*args)
+            assert result.returncode == exit_codes.BAD_INPUT, result.stderr[-3000:]
+            errors = [x for x in result.stderr.splitlines() if x.startswith("europa-jax")]
+            assert len(errors) == 1 and f"{busy}: in use by `europa-jax train`" in errors[0] \
+                and f"pid {holder.pid}" in errors[0], result.stderr[-3000:]
+            assert sorted(p.name for p in busy.iterdir()) == ["metrics.jsonl", "run.lock"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -61,7 +61,10 @@ def make_run(tmp_path, validation: bool = True, per_layer: bool = True, extras: 
             {"event": "checkpoint_saving", "step": 10, "reason": "periodic", "time": 1.7e9},
             {"event": "checkpoint_saving", "step": 20, "reason": "preempted", "time": 1.7e9 + 9},
             {"event": "preempted", "step": 20, "signal": "SIGTERM", "time": 1.7e9 + 10},
-            {"event": "checkpoint_restored", "step": 20, "time": 1.7e9 + 60}])
+            {"event": "checkpoint_restored", "step": 20, "time": 1.7e9 + 60},
+            {"event": "checkpoint_saving", "step": 30, "reason": "final", "time": 1.7e9 + 99},
+            {"event": "checkpoint_failed", "step": 30, "error": "No space left on device",
+             "last_good": 20, "action": "stop", "time": 1.7e9 + 100}])
         (run / "config.json").write_text(json.dumps(
             {"data": {"seq_len": SEQ_LEN, "global_batch_size": BATCH}, "train": {"steps": 30}}))
     return run
@@ -89,7 +92,7 @@ def test_deduplicates_keeping_the_last_record_per_step(tmp_path):
     assert by_step[21]["compiled"] is True
     assert [(r["step"], r["val_loss"]) for r in run.validation] == [(10, 4.6), (20, 4.2),
                                                                     (30, 4.4)]
-    assert len(run.events) == 4 and run.config["data"]["seq_len"] == SEQ_LEN
+    assert len(run.events) == 6 and run.config["data"]["seq_len"] == SEQ_LEN
     # The loss plot draws one point per unique finite step (step 5 is NaN).
     train_line, val_line = _plot_loss(run).axes[0].lines
     assert len(train_line.get_xdata()) == 29
@@ -108,12 +111,14 @@ def test_summary_fields(tmp_path):
     assert s["median_step_time_s"] != pytest.approx(
         statistics.median(_step_time(step) for step in range(1, 31)))
     assert s["median_mfu"] == pytest.approx(statistics.median(0.001 / t for t in timed))
-    assert s["checkpoints_saved"] == [10, 20]
+    assert s["checkpoints_saved"] == [10, 20]  # step 30's save started but failed
+    assert s["checkpoints_failed"] == [30]
     assert (s["restarts"], s["preemptions"]) == (1, 1)
     assert s["nonfinite_steps"] == [5]
     text = format_summary(s)
     assert "best val loss: 4.2 (step 20)" in text and "restarts: 1" in text
     assert "checkpoints saved: 10, 20" in text and "tokens seen: 7,680" in text
+    assert "checkpoints failed: 30" in text
 
 
 def test_corrupt_middle_line_names_file_and_line(tmp_path):

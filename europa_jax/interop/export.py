@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.interop import hf_layout, hf_tokenizer_files
-from europa_jax.run import checkpoint
+from europa_jax.run import checkpoint, run_lock
 from europa_jax.train import train
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,10 @@ def parse_size(text: str) -> int:
 def prepare_output(out_dir: Path, overwrite: bool, *, create: bool = True,
                    tag: str | None = None) -> Path:
     """Refuse a non-empty target unless asked; return the temporary directory to write
-    (made here if `create`; named by `tag` where several processes must agree on it)."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+    (made here if `create`; named by `tag` where several processes must agree on it).
+    A run directory's lock file alone (run_lock.py) does not make it non-empty."""
+    if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(
+            p.name != run_lock.LOCK_FILE for p in out_dir.iterdir())):
         raise ConfigError(f"{out_dir}: exists and is not empty (pass --overwrite to replace it)")
     tmp = out_dir.parent / f".{out_dir.name}.{tag or f'tmp-{os.getpid()}'}"
     if create:
@@ -157,6 +159,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of: {', '.join(DTYPES)}")
+    run_lock.check_free(out_dir)  # --overwrite must not replace a run that is going
     step_dir = resolve_step(run_dir, step)
     meta = checkpoint.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])

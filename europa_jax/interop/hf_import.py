@@ -1,15 +1,17 @@
 """`europa-jax import`: Hugging Face DeepSeek-V3/Kimi-K2 safetensors → a run directory.
 
-Everything is checked before anything is written: config.json against the config (one
-line per mismatch), then every tensor name and shape against the names the config
-implies. The weights are then placed straight into their device shards: for each of its
-devices' shards (`jax.make_array_from_callback` asks only for this process's), a process
-reads from the safetensors files just the block of the HF tensor that holds it
-(`read_region`: a slice, mapped through the transposes, reshapes and paddings between the
-layouts), so no host ever holds a whole tensor, let alone the model. Run under the same
-launcher as `train` (launch/local.sh, Slurm), every process reads its own shards and Orbax
-writes the checkpoint together. The result is a step-0 checkpoint with a fresh optimizer
-state and no data position, which `europa-jax train` resumes from by itself.
+Everything is checked before anything is written: config.json against the config (the
+first mismatch), then the whole index against the files' headers and the names, shapes
+and dtypes the config implies (every problem, one line each naming file and tensor). The
+weights are then placed straight into their device shards: for each of its devices'
+shards (`jax.make_array_from_callback` asks only for this process's), a process reads
+from the safetensors files just the block of the HF tensor that holds it (`read_region`:
+a slice, mapped through the transposes, reshapes and paddings between the layouts), so no
+host ever holds a whole tensor, let alone the model. Run under the same launcher as
+`train` (launch/local.sh, Slurm), every process reads its own shards and Orbax writes the
+checkpoint together, with the run directory locked (run_lock.py). The result is a step-0
+checkpoint with a fresh optimizer state and no data position, which `europa-jax train`
+resumes from by itself.
 """
 
 from __future__ import annotations
@@ -33,38 +35,71 @@ from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.interop import hf_layout
 from europa_jax.interop.export import commit_output, prepare_output
-from europa_jax.run import checkpoint, distributed
+from europa_jax.run import checkpoint, distributed, run_lock
 from europa_jax.train import train
 
 INDEX = "model.safetensors.index.json"
 
 
+# What a tensor may be stored as: any float converts to the parameter's dtype (bf16 and f16
+# to f32 exactly); an integer, boolean or FP8 tensor is not a weight of this layout.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+MAX_PROBLEM_LINES = 20  # a wholly different model would otherwise print thousands
+
+
+class WeightsError(ConfigError):
+    """Problems of an HF weights directory, one line each (file and tensor); exit 2."""
+
+    def __init__(self, problems: list[str]):
+        lines = problems[:MAX_PROBLEM_LINES]
+        if len(problems) > len(lines):
+            lines.append(f"... and {len(problems) - len(lines)} more problems like these")
+        super().__init__("\n".join(lines))
+        self.problems = problems
+
+
 class SafetensorsDir:
-    """Names, shapes and (cached, one at a time) tensors of an HF weights directory."""
+    """Names, shapes and dtypes (from every file's header) and blocks of an HF weights
+    directory; `problems` lists what makes the index and the files disagree."""
 
     def __init__(self, hf_dir: Path):
         self.dir = hf_dir
-        if (hf_dir / INDEX).exists():
-            self.weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        self._files: dict[str, object] = {}
+        self.problems: list[str] = []
+        # filename → {tensor: (dtype, shape)}, from the headers only (no tensor data read)
+        self.headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self.listing = hf_dir / INDEX  # the file that lists the tensors
+        if self.listing.exists():
+            self.weight_map = _weight_map(self.listing)
         elif (hf_dir / "model.safetensors").exists():
-            with safe_open(hf_dir / "model.safetensors", framework="numpy") as f:
-                self.weight_map = {name: "model.safetensors" for name in f.keys()}
+            self.listing = hf_dir / "model.safetensors"
+            self.weight_map = {name: "model.safetensors"
+                               for name in self._header("model.safetensors") or {}}
         else:
             raise ConfigError(f"{hf_dir}: no {INDEX} or model.safetensors")
-        self._files: dict[str, object] = {}
+        for filename in sorted(set(self.weight_map.values())):
+            self._header(filename)
         self.elements_read = 0  # what block() read so far (tests hold it against the shards)
 
-    def _file(self, name: str):
-        filename = self.weight_map[name]
-        if filename not in self._files:
-            path = self.dir / filename
-            if not path.exists():
-                raise ConfigError(f"{path}: listed in {INDEX} but missing")
-            self._files[filename] = safe_open(path, framework="numpy")
-        return self._files[filename]
+    def _header(self, filename: str) -> dict | None:
+        if filename in self.headers:
+            return self.headers[filename]
+        path = self.dir / filename
+        try:
+            f = self._files[filename] = safe_open(path, framework="numpy")
+        except FileNotFoundError:
+            self.problems.append(f"{path}: listed in {INDEX} but missing")
+            return None
+        except Exception as e:  # noqa: BLE001 - SafetensorError: truncated, not safetensors
+            self.problems.append(f"{path}: not a readable safetensors file ({e})")
+            return None
+        self.headers[filename] = {name: (f.get_slice(name).get_dtype(),
+                                         tuple(f.get_slice(name).get_shape()))
+                                  for name in f.keys()}
+        return self.headers[filename]
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+    def _file(self, name: str):
+        return self._files[self.weight_map[name]]
 
     def block(self, name: str, bounds: list[tuple[int, int]]) -> np.ndarray:
         """HF tensor `name`[a0:b0, a1:b1, ...], read from disk without the rest of it."""
@@ -72,24 +107,53 @@ class SafetensorsDir:
         return self._file(name).get_slice(name)[tuple(slice(a, b) for a, b in bounds)]
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{index}: not a safetensors index (expected JSON with a "
+                          f"weight_map: {type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index}: weight_map is not a mapping of tensor → file")
+    return weight_map
+
+
 def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor], n_layers: int) -> None:
-    """Every expected name present with its shape, nothing unexplained left over."""
-    expected = {t.name for t in plan}
-    missing = sorted(expected - set(weights.weight_map))
-    if missing:
-        raise ConfigError(f"{weights.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    """The whole index against the files and the config before anything is read: every
+    tensor the config implies listed, in its file, with its shape and a float dtype; every
+    tensor of the files listed and implied. Raises `WeightsError` naming each problem."""
     if any(name.endswith("_scale_inv") for name in weights.weight_map):
         raise ConfigError(f"{weights.dir}: FP8 block-quantized weights (*.weight_scale_inv) are "
                           "not supported; convert them to bf16 first")
+    problems = list(weights.problems)
+    expected = {t.name: t for t in plan}
     # DeepSeek-V3 ships its multi-token-prediction module as layer `num_hidden_layers`.
     mtp = re.compile(rf"model\.layers\.({'|'.join(str(i) for i in range(n_layers, n_layers + 8))})\.")
-    extra = sorted(n for n in set(weights.weight_map) - expected if not mtp.match(n))
-    if extra:
-        raise ConfigError(f"{weights.dir}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
-    for t in plan:
-        if weights.shape(t.name) != t.shape:
-            raise ConfigError(f"{weights.dir}: {t.name} has shape {list(weights.shape(t.name))}, "
-                              f"the config implies {list(t.shape)}")
+    for name in sorted(set(expected) - set(weights.weight_map)):
+        problems.append(f"{weights.listing}: {name} is missing (the config implies it)")
+    for name, filename in sorted(weights.weight_map.items()):
+        path, header = weights.dir / filename, weights.headers.get(filename)
+        t = expected.get(name)
+        if t is None and not mtp.match(name):
+            problems.append(f"{path}: {name} is not a tensor of this config")
+        if header is None:
+            continue  # the file itself is the problem, named once
+        if name not in header:
+            problems.append(f"{path}: {name} is listed in {INDEX} but not in the file")
+            continue
+        dtype, shape = header[name]
+        if t is not None and shape != t.shape:
+            problems.append(f"{path}: {name} has shape {list(shape)}, the config implies "
+                            f"{list(t.shape)}")
+        if t is not None and dtype not in FLOAT_DTYPES:
+            problems.append(f"{path}: {name} is {dtype}, expected a float "
+                            f"({', '.join(FLOAT_DTYPES)})")
+    for filename, header in sorted(weights.headers.items()):
+        for name in sorted(n for n in header if weights.weight_map.get(n) != filename):
+            problems.append(f"{weights.dir / filename}: {name} is in the file but "
+                            f"{INDEX} does not list it there")
+    if problems:
+        raise WeightsError(problems)
 
 
 def read_region(weights: SafetensorsDir, t: hf_layout.HFTensor, item_shape: tuple[int, ...],
@@ -188,37 +252,40 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
                    param_table.ROUTER_BIAS.key: trainer.abstract_state.router_bias_LE})[0]}
     plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()}))
     check_weights(weights, plan, cfg.model.n_layers)
-    # Every process checks the target (the same answer everywhere), process 0 makes the
-    # directory all of them write into; Orbax then saves from every process.
-    tmp = prepare_output(run_dir, overwrite, create=jax.process_index() == 0,
-                         tag="importing")
-    multihost_utils.sync_global_devices("europa-jax import: output directory")
-    try:
-        by_key: dict[str, dict] = {}
-        for t in plan:
-            by_key.setdefault(t.source.key, {})[t.source.index] = t
-        arrays = {key: _leaf_array(key, leaf, leaf.sharding, by_key[key], weights)
-                  for key, leaf in leaves.items()}
-        params = jax.tree.unflatten(jax.tree.structure(trainer.abstract_params),
-                                    [arrays[k] for k in leaves if k.startswith("params.")])
-        with jax.set_mesh(trainer.mesh):
-            opt_state = jax.jit(trainer.tx.init,
-                                out_shardings=trainer.state_shardings.opt_state)(params)
-        state = train.TrainState(step=jax.device_put(jnp.int32(0), trainer.state_shardings.step),
-                                 params=params, opt_state=opt_state,
-                                 router_bias_LE=arrays[param_table.ROUTER_BIAS.key])
-        saver = checkpoint.Checkpointer(cfg, tmp, trainer)
-        saver.save(0, state, None, reason="import", extra={"imported_from": str(hf_dir)})
-        saver.close()
-        multihost_utils.sync_global_devices("europa-jax import: saved")
-        if jax.process_index() == 0:
-            (tmp / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            commit_output(tmp, run_dir)
-        multihost_utils.sync_global_devices("europa-jax import: committed")
-    except BaseException:
-        if jax.process_index() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # No `train` may start in the run directory while the import fills it (its commit
+    # replaces the directory), nor may the import replace a run that is going.
+    with run_lock.hold(run_dir, "import"):
+        # Every process checks the target (the same answer everywhere), process 0 makes the
+        # directory all of them write into; Orbax then saves from every process.
+        tmp = prepare_output(run_dir, overwrite, create=jax.process_index() == 0,
+                             tag="importing")
+        multihost_utils.sync_global_devices("europa-jax import: output directory")
+        try:
+            by_key: dict[str, dict] = {}
+            for t in plan:
+                by_key.setdefault(t.source.key, {})[t.source.index] = t
+            arrays = {key: _leaf_array(key, leaf, leaf.sharding, by_key[key], weights)
+                      for key, leaf in leaves.items()}
+            params = jax.tree.unflatten(jax.tree.structure(trainer.abstract_params),
+                                        [arrays[k] for k in leaves if k.startswith("params.")])
+            with jax.set_mesh(trainer.mesh):
+                opt_state = jax.jit(trainer.tx.init,
+                                    out_shardings=trainer.state_shardings.opt_state)(params)
+            step = jax.device_put(jnp.int32(0), trainer.state_shardings.step)
+            state = train.TrainState(step=step, params=params, opt_state=opt_state,
+                                     router_bias_LE=arrays[param_table.ROUTER_BIAS.key])
+            saver = checkpoint.Checkpointer(cfg, tmp, trainer)
+            saver.save(0, state, None, reason="import", extra={"imported_from": str(hf_dir)})
+            saver.close()  # raises SaveFailed if it did not reach the disk
+            multihost_utils.sync_global_devices("europa-jax import: saved")
+            if jax.process_index() == 0:
+                (tmp / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+                commit_output(tmp, run_dir)
+            multihost_utils.sync_global_devices("europa-jax import: committed")
+        except BaseException:
+            if jax.process_index() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     n_params = sum(math.prod(v.shape) for k, v in leaves.items() if k.startswith("params."))
     return {"run_dir": str(run_dir), "tensors": len(plan), "params": n_params,
             "process": jax.process_index(), "processes": jax.process_count(),

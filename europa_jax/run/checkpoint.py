@@ -16,6 +16,10 @@ is associative), so it is recomputed after restore on any mesh. A checkpoint tha
 restore or whose fingerprint differs is moved to `<run_dir>/corrupt_checkpoints/` and the
 previous one is used.
 
+A save that fails (a full disk: Orbax's background write raises) is not raised where it
+happens: `outcome` reports it once every process knows, after removing its temporary
+directory, and the loop applies `checkpoint.on_save_error` (loop.SaveGuard).
+
 Restore targets the *current* trainer's shardings, so a run saved on a 2×4 mesh resumes on
 4×2 or 1×8 (Orbax reads each device's slice from whatever chunks hold it).
 """
@@ -39,6 +43,9 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 from europa_jax import param_table
 from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
+from europa_jax.run import distributed
+from europa_jax.run.save_outcome import (DONE, FAILED, remove_failed_save, save_error,
+                                         SaveFailed, SaveOutcome, WRITING)
 from europa_jax.train.train import Trainer, TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -159,6 +166,10 @@ class Checkpointer:
             enable_async_checkpointing=cfg.checkpoint.async_save,
             cleanup_tmp_directories=True)  # leftovers of saves killed midway
         self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        # The save being written (async) whose outcome nobody has asked for yet, and its
+        # error if `manager.save` itself failed.
+        self._pending: int | None = None
+        self._error: str | None = None
         self._save_args = jax.tree_util.tree_map_with_path(
             lambda path, _: ocp.SaveArgs(shard_axes=(0,) if _is_stacked(path) else ()),
             trainer.state_shardings)
@@ -169,7 +180,16 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, data_state: dict | None, *, reason: str,
              extra: dict | None = None) -> None:
-        """Start saving `state` as `step`; returns once the device→host copy is done."""
+        """Start saving `state` as `step`; returns once the device→host copy is done.
+
+        A write that fails, now or in the background, is reported by `outcome` (and
+        `close`), not raised here: the caller decides what a failed save means. One save
+        at a time: a previous one nobody asked about is waited for, and raises
+        `SaveFailed` if it failed (never silent).
+        """
+        previous = self.outcome(wait=True)
+        if previous is not None and previous.error:
+            raise SaveFailed(previous)
         meta = {"step": step, "reason": reason, "config": to_dict(self.cfg),
                 "fingerprint": fingerprint(state), "process_count": jax.process_count(),
                 "mesh": {"data": self.cfg.mesh.data, "expert": self.cfg.mesh.expert},
@@ -179,7 +199,62 @@ class Checkpointer:
                  "meta": ocp.args.JsonSave(meta)}
         if data_state is not None:
             items["data"] = ProcessJsonSave(data_state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._pending, self._error = step, None
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # noqa: BLE001 - e.g. no room for the temporary directory
+            self._error = save_error(e)
+
+    def outcome(self, wait: bool = False) -> SaveOutcome | None:
+        """The last save's outcome once every process knows it; None while it is still
+        being written (without `wait`), or when there is no save to report.
+
+        Every process says whether its own write is done, failed or still going, and all
+        decide from the same list (a collective, so call it on every process at the same
+        point), so the whole job learns of a failure after the same step. A failure on any
+        process fails the save everywhere; a process whose write still goes on then waits
+        for it (Orbax ends it at its barrier timeout). A failed save's temporary directory
+        is removed, so what is on disk are committed checkpoints, the newest the last good.
+        """
+        if self._pending is None:
+            return None
+        if not wait:
+            done = not self.manager.is_saving_in_progress()
+            seen = distributed.every_process(FAILED if self._error else DONE if done
+                                             else WRITING)
+            if WRITING in seen and FAILED not in seen:
+                return None
+        finished = self._finish()  # also after a failed `manager.save`: what it started
+        error = self._error or finished
+        seen = distributed.every_process(FAILED if error else DONE)
+        step, self._pending, self._error = self._pending, None, None
+        if FAILED not in seen:
+            return SaveOutcome(step)
+        error = error or f"failed on process {seen.index(FAILED)}"
+        self._discard(step)
+        return SaveOutcome(step, error, self.directory,
+                           max(committed_steps(self.run_dir), default=None))
+
+    def _finish(self) -> str | None:
+        """Wait for this process's write; its error as one line, None if it is on disk."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - whatever stopped the write
+            return save_error(e)
+        return None
+
+    def _discard(self, step: int) -> None:
+        """Remove a failed save's temporary directory (disk space, and no orphan to wonder
+        about) and let the manager list the steps again: its own list dropped the steps
+        this save would have deleted, which are still on disk. A step that got committed
+        all the same (a write after the rename failed) is set aside: a resume must not
+        pick a save that was reported failed."""
+        if jax.process_index() == 0:
+            remove_failed_save(self.directory, step)
+            if (self.directory / str(step)).exists():
+                self._move_to_corrupt(step)
+        distributed.all_processes(True)  # barrier: nobody lists steps before it is gone
+        self.manager.reload()
 
     def restore_latest(self, log: Log) -> Restored | None:
         """The newest checkpoint that restores and matches its fingerprint; None if none exist.
@@ -197,7 +272,7 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
                 restored, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            if _all_processes(error is None):
+            if distributed.all_processes(error is None):
                 log("checkpoint_restored", step=step)
                 return restored
             error = error or "failed on another process"
@@ -227,31 +302,28 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Keep an unusable checkpoint for inspection, out of the way of the step re-saved."""
         if jax.process_index() == 0:
-            target = self.run_dir / CORRUPT_SUBDIR / f"{step}-{datetime.datetime.now():%Y%m%d%H%M%S}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), target)
-        _all_processes(True)  # barrier: nobody lists steps before the move is done
+            self._move_to_corrupt(step)
+        distributed.all_processes(True)  # barrier: nobody lists steps before the move is done
         self.manager.reload()
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def _move_to_corrupt(self, step: int) -> None:
+        target = self.run_dir / CORRUPT_SUBDIR / f"{step}-{datetime.datetime.now():%Y%m%d%H%M%S}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), target)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save; raise `SaveFailed` if it failed and nobody asked."""
+        try:
+            outcome = self.outcome(wait=True)
+        finally:
+            self.manager.close()
+        if outcome is not None and outcome.error:
+            raise SaveFailed(outcome)
 
 
 def _is_stacked(path) -> bool:
     """A leaf of a scanned layer stack (params or their optimizer state): `[L, ...]`."""
     return bool(set(param_table.key_names(path)) & set(param_table.STACKS))
-
-
-def _all_processes(ok: bool) -> bool:
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
 def check_compatible(step_dir: Path, meta: dict, model: ModelConfig, abstract: TrainState) -> None:

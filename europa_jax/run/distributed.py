@@ -270,6 +270,28 @@ def node_of_process() -> dict[int, str]:
             for row in rows}
 
 
+def every_process(value: int) -> list[int]:
+    """`value` from every process of the job, in process order (a collective: all must call).
+
+    How the processes take one decision together: each contributes what it saw, all read
+    the same list and so decide alike.
+    """
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(
+        multihost_utils.process_allgather(np.asarray(value, np.int32))).reshape(-1)]
+
+
+def all_processes(ok: bool) -> bool:
+    """True on every process iff `ok` on every process (a collective: all must call)."""
+    return all(every_process(int(ok)))
+
+
 def _count_source(launch: Launch) -> str:
     return {"slurm": "SLURM_NTASKS", "local": ENV_NUM_PROCESSES,
             "single": "one process"}[launch.launcher] + f"={launch.num_processes}"

@@ -26,6 +26,36 @@ class _RankFilter(logging.Filter):
         return True
 
 
+# asyncio's words for a task or future that failed with nobody awaiting it
+_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
+class _LibraryNoise(logging.Filter):
+    """At normal verbosity a library's record keeps its message line but not its
+    traceback, and asyncio's "... exception was never retrieved" is dropped. Both are how a
+    failed Orbax save shows: a traceback from each thread it passed through, and one
+    unretrieved task per array still being written; Orbax's error lines and the loop's one
+    line say what failed. --verbose shows everything."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and str(record.msg).startswith(_UNRETRIEVED):
+            return False
+        if record.exc_info and record.name.split(".")[0] in _LIBRARIES:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_closed_loop(unraisable) -> None:
+    """sys.unraisablehook: after a failed save, the callbacks of tensorstore writes still in
+    flight can find Orbax's event loop closed, and each would print a `RuntimeError: Event
+    loop is closed` traceback (dozens per failure); they become a debug line each."""
+    if isinstance(unraisable.exc_value, RuntimeError) and \
+            str(unraisable.exc_value) == "Event loop is closed":
+        logging.getLogger("asyncio").debug("a write finished after its event loop closed")
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def set_rank(index: int, count: int) -> None:
     _rank.update(index=int(index), count=int(count))
 
@@ -38,6 +68,9 @@ def configure(verbosity: str = "normal", stream=None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT, _DATE))
     handler.addFilter(_RankFilter())
+    if verbosity != "verbose":
+        handler.addFilter(_LibraryNoise())
+    sys.unraisablehook = sys.__unraisablehook__ if verbosity == "verbose" else _quiet_closed_loop
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -1,7 +1,8 @@
 """The training loop: data → sharded batches → `train_step`, metrics.jsonl, progress.
 
-Around the step: resume from the run directory's checkpoints, periodic/final/preemption
-saves (checkpoint.py), agreed stop requests (preemption.py), the non-finite policy.
+Around the step: the run directory's lock (run_lock.py), resume from its checkpoints,
+periodic/final/preemption saves and what a failed one means (checkpoint.py, SaveGuard),
+agreed stop requests (preemption.py), the non-finite policy.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
-from europa_jax.run import checkpoint, distributed, logs, run_log
+from europa_jax.run import checkpoint, distributed, logs, run_lock, run_log
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
+from europa_jax.run.save_outcome import SaveFailed
 from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
                                     Trainer)
 
@@ -51,22 +53,29 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     """Run to `cfg.train.steps`, resuming from the run directory's latest valid checkpoint.
 
     Returns the metrics logged by this invocation (metrics.jsonl holds the whole run).
-    Raises `Preempted` after saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite
-    step under `checkpoint.nan_policy`.
+    Raises `RunDirInUse` when another command holds the run directory, `Preempted` after
+    saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite step under
+    `checkpoint.nan_policy`, `SaveFailed` on a failed save under `checkpoint.on_save_error`.
     """
     logs.ensure_configured()
     check_device_count(cfg.mesh, jax.device_count())
     host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
     validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
+    with run_lock.hold(run_dir, "train"):  # before anything is written there
+        return _train(cfg, run_dir, host_batches, validation)
+
+
+def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
+           validation: Validation | None) -> list[dict]:
     is_primary = jax.process_index() == 0
     if is_primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
     events = EventLog(run_dir, is_primary)
     ckpt = checkpoint.Checkpointer(cfg, run_dir, trainer)
+    saves = SaveGuard(ckpt, cfg.checkpoint, events)
     restored = ckpt.restore_latest(events)
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     start_step = restored.step if restored else 0
@@ -109,17 +118,24 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
                     log.info(f"step {done} val_loss {record['val_loss']:.4f} perplexity "
                              f"{record['val_perplexity']:.2f} ({record['val_tokens']:,} tokens)")
                 stopping = stop.agreed()  # same answer on every process, after the same step
+                saves.check()  # the last save's outcome, once it is known (raises SaveFailed)
                 if stopping or ckpt.due(done):
                     reason = ("preempted" if stopping else
                               "final" if done == cfg.train.steps else "periodic")
+                    saves.check(wait=True)  # one save at a time: the one before must be done
                     ckpt.save(done, state, data_state, reason=reason)
                     events("checkpoint_saving", step=done, reason=reason)
                 if stopping:
+                    saves.check(wait=True, ending=True)  # exit for requeue only once saved
                     events("preempted", step=done, signal=stop.signal_name)
                     raise Preempted(done, stop.signal_name)
+        saves.check(wait=True, ending=True)  # the final save is the run's result
     finally:
         profiler.close()
-        ckpt.close()  # waits for the last async write, also when stopping
+        # On the way out for another reason (an error, NonFiniteStop): the last save is
+        # still waited for and reported, and that reason is the one raised.
+        saves.check(wait=True, ending=True, raise_error=False)
+        ckpt.close()
     progress(None, None)
     return logged
 
@@ -172,6 +188,36 @@ class NonFiniteGuard:
                                 f"{float(metrics['grad_norm'])} ({self.consecutive} consecutive "
                                 f"non-finite, checkpoint.nan_policy={self.cfg.nan_policy}); "
                                 "the last checkpoint is the last good state")
+
+
+class SaveGuard:
+    """Reports each save's outcome once it is known and applies `checkpoint.on_save_error`.
+
+    Saves are written in the background while training goes on; a failed one (a full
+    disk) would otherwise show only in Orbax's log, or as a traceback at the next save.
+    Here it is an event (`checkpoint_failed`), one log line naming the error and the last
+    good checkpoint, and a decision: `stop` raises `SaveFailed`, `continue` trains on to
+    the next save. A run that is ending (the final or a preemption save) stops either way.
+    """
+
+    def __init__(self, ckpt: checkpoint.Checkpointer, cfg: CheckpointConfig, events: EventLog):
+        self.ckpt, self.cfg, self.events = ckpt, cfg, events
+
+    def check(self, *, wait: bool = False, ending: bool = False,
+              raise_error: bool = True) -> None:
+        outcome = self.ckpt.outcome(wait)  # a collective: every process calls it alike
+        if outcome is None:
+            return
+        if outcome.error is None:
+            self.events("checkpoint_saved", step=outcome.step)
+            return
+        stop = ending or self.cfg.on_save_error == "stop"
+        failure = SaveFailed(outcome)
+        self.events("checkpoint_failed", str(failure), level=logging.ERROR, step=outcome.step,
+                    error=outcome.error, last_good=outcome.last_good,
+                    action="stop" if stop else "continue")
+        if stop and raise_error:
+            raise failure
 
 
 class Validation:

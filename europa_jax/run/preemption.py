@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import signal
 
-import jax
-import numpy as np
-from jax.experimental import multihost_utils
-
-from europa_jax.run import logs
+from europa_jax.run import distributed, logs
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -55,8 +51,4 @@ class StopRequests:
 
     def agreed(self) -> bool:
         """True on every process iff any process has been asked to stop (a collective)."""
-        requested = self.signal_name is not None
-        if jax.process_count() == 1:
-            return requested
-        flags = multihost_utils.process_allgather(np.asarray(requested, np.int32))
-        return bool(np.any(flags))
+        return any(distributed.every_process(self.signal_name is not None))

@@ -217,6 +217,13 @@ def summarize(run: Run) -> dict:
                  if r.get("finite") == 0 or ("loss" in r and _num(r["loss"]) is None)}
     nonfinite |= {s for e in run.events if e.get("event") == "nonfinite"
                   and (s := _step(e)) is not None}
+    saved, failed = set(), set()  # a failed save is not a checkpoint, even if started
+    for e in run.events:
+        if (step := _step(e)) is not None and e.get("event") == "checkpoint_saving":
+            saved.add(step)
+        elif step is not None and e.get("event") == "checkpoint_failed":
+            saved.discard(step)
+            failed.add(step)
     return {
         "first_step": steps[0] if steps else None,
         "last_step": steps[-1] if steps else None,
@@ -230,8 +237,8 @@ def summarize(run: Run) -> dict:
         "median_step_time_s": _median(_timed(run), "step_time_s"),
         "median_tokens_per_s_per_device": _median(_timed(run), "tokens_per_s_per_device"),
         "median_mfu": _median(_timed(run), "mfu"),
-        "checkpoints_saved": sorted({s for e in run.events if e.get("event") == "checkpoint_saving"
-                                     and (s := _step(e)) is not None}),
+        "checkpoints_saved": sorted(saved),
+        "checkpoints_failed": sorted(failed),
         "restarts": sum(e.get("event") == "checkpoint_restored" for e in run.events),
         "preemptions": sum(e.get("event") == "preempted" for e in run.events),
         "nonfinite_steps": sorted(nonfinite),
@@ -259,6 +266,7 @@ def format_summary(summary: dict) -> str:
         f"median tokens/s/device: {_fmt(s['median_tokens_per_s_per_device'], ',.0f')}",
         f"median MFU: {_fmt(s['median_mfu'], '.2%')}",
         f"checkpoints saved: {_steps(s['checkpoints_saved'])}",
+        f"checkpoints failed: {_steps(s['checkpoints_failed'])}",
         f"restarts: {s['restarts']}",
         f"preemptions: {s['preemptions']}",
         f"non-finite steps: {_steps(s['nonfinite_steps'])}",

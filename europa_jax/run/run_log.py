@@ -6,7 +6,8 @@ Process 0 writes the files; every process logs (logs.py puts its rank on each li
 - TensorBoard event files beside it (tensorboardX): every scalar of those records, a
   per-layer list as `name/layer_i`, and the config as text. After a resume the writer
   purges the steps past the checkpoint, so TensorBoard too shows each step once.
-- `events.jsonl`: checkpoints, resumes, preemption, non-finite steps, memory.
+- `events.jsonl`: checkpoints (started, written, failed), resumes, preemption, non-finite
+  steps, memory.
 """
 
 from __future__ import annotations
@@ -77,14 +78,15 @@ class EventLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.path, self.enabled = run_dir / "events.jsonl", enabled
 
-    def __call__(self, event: str, message: str | None = None, **fields) -> None:
+    def __call__(self, event: str, message: str | None = None, *, level: int = logging.INFO,
+                 **fields) -> None:
         """Record `event` with `fields`; the log line is `message` or `event k=v ...`."""
         if not self.enabled:
             return
         record = {"event": event, **fields, "time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        log.info(message or " ".join([event, *(f"{k}={v}" for k, v in fields.items())]))
+        log.log(level, message or " ".join([event, *(f"{k}={v}" for k, v in fields.items())]))
 
 
 def gigabytes(n: float | None) -> str:
