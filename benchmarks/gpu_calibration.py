@@ -60,8 +60,8 @@ def grouped_shapes(model, tokens: int, impl: str) -> dict[str, dict]:
     for name, part in (("window", 1), ("quarter", 4), ("sixteenth", 16)):
         rows = max(128, -(-window["rows"] // part // 128) * 128)
         out[name] = {"rows": rows, "experts": window["experts"],
-                            "filled": max(window["experts"],
-                                          round(rows * window["filled"] / window["rows"]))}
+                     "filled": max(window["experts"],
+                                   round(rows * window["filled"] / window["rows"]))}
     return out
 
 
@@ -69,12 +69,10 @@ def programs(cfg, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model import expert_windows
-    from europa_jax.model.attention import blockwise_attention, library_attention
-    from gpu_programs import attention_kernel, offload_programs, OFFLOAD_BYTES
-    from gpu_regimes import _impl
+    from gpu_programs import offload_programs, OFFLOAD_BYTES
+    from gpu_regimes import _impl, attention_inputs, grouped_passes, model_attention
 
-    model, out = cfg.model, {}
+    model, out, d = cfg.model, {}, cfg.model.d_model
     for name, (m, k, n) in dense_shapes(model, tokens).items():
         def make_dense(m=m, k=k, n=n):
             keys = jax.random.split(jax.random.key(3), 2)
@@ -83,42 +81,14 @@ def programs(cfg, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
         out[f"dense/{name}"] = Program(jax.jit(lambda a, b: a @ b), make_dense)
 
     impl = _impl(mesh, smoke)
-    mm, contract = expert_windows.matmul_kernel(impl), expert_windows.contract_kernel(impl)
-    d, f = model.d_model, model.expert_ffn_dim
     for name, shape in grouped_shapes(model, tokens, impl).items():
-        def make_grouped(rows=shape["rows"], filled=shape["filled"], e=shape["experts"]):
-            sizes = jnp.full((e,), filled // e, jnp.int32).at[-1].add(filled % e)
-            keys = jax.random.split(jax.random.key(4), 4)
-            return (jax.random.normal(keys[0], (rows, d), jnp.bfloat16),
-                    jax.random.normal(keys[1], (rows, f), jnp.bfloat16),
-                    jax.random.normal(keys[2], (e, d, f), jnp.bfloat16),
-                    jax.random.normal(keys[3], (e, f, d), jnp.bfloat16), sizes)
-        out[f"grouped/{name}/fwd"] = Program(jax.jit(lambda x, h, w, wt, s: mm(x, w, s)),
-                                             make_grouped)
-        out[f"grouped/{name}/dgrad"] = Program(jax.jit(lambda x, h, w, wt, s: mm(h, wt, s)),
-                                               make_grouped)
-        out[f"grouped/{name}/wgrad"] = Program(
-            jax.jit(lambda x, h, w, wt, s: contract(x, h, s)), make_grouped)
+        out.update(grouped_passes(model, impl, shape["rows"], shape["filled"], shape["experts"],
+                                  prefix=f"grouped/{name}/"))
 
-    h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
-    attention_impl = attention_kernel(model, mesh, smoke)
-
-    def make_attention():
-        keys = jax.random.split(jax.random.key(5), 3)
-        return (jax.random.normal(keys[0], (1, tokens, h, qk), jnp.bfloat16),
-                jax.random.normal(keys[1], (1, tokens, h, qk), jnp.bfloat16),
-                jax.random.normal(keys[2], (1, tokens, h, vd), jnp.bfloat16))
-
-    def attend(q, k, v):
-        segments = jnp.ones((1, tokens), jnp.int32)
-        if attention_impl == "blockwise":
-            return blockwise_attention(q, k, v, segments, scale=qk ** -0.5,
-                                       block_size=model.attention_block_size)
-        return library_attention(q, k, v, segments, scale=qk ** -0.5, impl=attention_impl,
-                                 backward_chunk=model.attention_backward_chunk)
-
-    out["attention/forward"] = Program(jax.jit(lambda q, k, v: attend(q, k, v)),
-                                       make_attention)
+    # the model's kernel on one document (segments of ones)
+    attend = model_attention(model, mesh, smoke, jnp.ones((1, tokens), jnp.int32))
+    make_attention = attention_inputs(model, tokens, seed=5)
+    out["attention/forward"] = Program(jax.jit(attend), make_attention)
     out["attention/forward+backward"] = Program(jax.jit(jax.grad(
         lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))),
         make_attention)

@@ -96,33 +96,39 @@ def moe_received_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Pr
 def grouped_regime_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     """Forward, dgrad and wgrad of one grouped matmul [M, D] × [E, D, F] on a buffer of
     which the first rows are filled, evenly over the experts; and one expert window."""
+    programs = {}
+    for name, v in grouped_regime_shapes(model, tokens, _impl(mesh, smoke)).items():
+        programs.update(grouped_passes(model, _impl(mesh, smoke), v["rows"], v["filled"],
+                                       v["experts"], prefix=f"{name}/"))
+    return programs
+
+
+def grouped_passes(model, impl: str, rows: int, filled: int, experts: int, *, prefix: str
+                   ) -> dict[str, Program]:
+    """`{prefix}fwd`, `dgrad`, `wgrad`: a grouped matmul's three passes on `rows` rows of
+    which `filled` are spread evenly over `experts` ([E, D, F] weights; dgrad by the
+    [E, F, D] layout; wgrad in float32)."""
     import jax
     import jax.numpy as jnp
 
     from europa_jax.model import expert_windows
 
     d, f = model.d_model, model.expert_ffn_dim
-    impl = _impl(mesh, smoke)
     mm, contract = expert_windows.matmul_kernel(impl), expert_windows.contract_kernel(impl)
-    shapes = {name: (v["rows"], v["filled"], v["experts"])
-              for name, v in grouped_regime_shapes(model, tokens, impl).items()}
-    programs = {}
-    for name, (rows, filled, experts) in shapes.items():
-        def make_args(rows=rows, filled=filled, experts=experts):
-            sizes = jnp.full((experts,), filled // experts, jnp.int32).at[-1].add(
-                filled % experts)
-            key = jax.random.split(jax.random.key(1), 4)
-            return (jax.random.normal(key[0], (rows, d), jnp.bfloat16),
-                    jax.random.normal(key[1], (rows, f), jnp.bfloat16),
-                    jax.random.normal(key[2], (experts, d, f), jnp.bfloat16),
-                    jax.random.normal(key[3], (experts, f, d), jnp.bfloat16), sizes)
 
-        programs[f"{name}/fwd"] = Program(jax.jit(lambda x, h, w, wt, s: mm(x, w, s)), make_args)
-        programs[f"{name}/dgrad"] = Program(jax.jit(lambda x, h, w, wt, s: mm(h, wt, s)),
-                                            make_args)
-        programs[f"{name}/wgrad"] = Program(jax.jit(lambda x, h, w, wt, s: contract(x, h, s)),
-                                            make_args)
-    return programs
+    def make_args():
+        sizes = jnp.full((experts,), filled // experts, jnp.int32).at[-1].add(
+            filled % experts)
+        key = jax.random.split(jax.random.key(1), 4)
+        return (jax.random.normal(key[0], (rows, d), jnp.bfloat16),
+                jax.random.normal(key[1], (rows, f), jnp.bfloat16),
+                jax.random.normal(key[2], (experts, d, f), jnp.bfloat16),
+                jax.random.normal(key[3], (experts, f, d), jnp.bfloat16), sizes)
+
+    return {f"{prefix}fwd": Program(jax.jit(lambda x, h, w, wt, s: mm(x, w, s)), make_args),
+            f"{prefix}dgrad": Program(jax.jit(lambda x, h, w, wt, s: mm(h, wt, s)), make_args),
+            f"{prefix}wgrad": Program(jax.jit(lambda x, h, w, wt, s: contract(x, h, s)),
+                                      make_args)}
 
 
 def grouped_regime_shapes(model, tokens: int, impl: str = "tokamax") -> dict:
@@ -146,33 +152,48 @@ def document_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Progra
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model.attention import library_attention, blockwise_attention
-    from gpu_programs import attention_kernel
+    def with_documents(n: int):
+        segments = (jnp.arange(tokens, dtype=jnp.int32) // (tokens // n) + 1)[None]
+        attend = model_attention(model, mesh, smoke, segments)
+        return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2)))
 
-    h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
-    impl = attention_kernel(model, mesh, smoke)
+    make_args = attention_inputs(model, tokens)
+    return {"one_document": Program(with_documents(1), make_args),
+            "64_documents": Program(with_documents(64), make_args)}
 
+
+def attention_inputs(model, tokens: int, seed: int = 0):
+    """The maker of one row's q, k [1, S, H, K] and v [1, S, H, O] in bf16."""
     def make_args():
-        keys = jax.random.split(jax.random.key(0), 3)
+        import jax
+        import jax.numpy as jnp
+
+        h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
+        keys = jax.random.split(jax.random.key(seed), 3)
         return (jax.random.normal(keys[0], (1, tokens, h, qk), jnp.bfloat16),
                 jax.random.normal(keys[1], (1, tokens, h, qk), jnp.bfloat16),
                 jax.random.normal(keys[2], (1, tokens, h, vd), jnp.bfloat16))
 
-    def with_documents(n: int):
-        segments = (jnp.arange(tokens, dtype=jnp.int32) // (tokens // n) + 1)[None]
+    return make_args
 
-        def attend(q, k, v):
-            if impl == "blockwise":
-                return blockwise_attention(q, k, v, segments, scale=qk ** -0.5,
-                                           block_size=model.attention_block_size)
-            return library_attention(q, k, v, segments, scale=qk ** -0.5, impl=impl,
-                                     backward_chunk=model.attention_backward_chunk)
 
-        return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
-                                argnums=(0, 1, 2)))
+def model_attention(model, mesh, smoke: bool, segments_BS):
+    """attend(q, k, v): the model's attention kernel on the mesh's platform (gpu_programs.
+    attention_kernel), masked by these documents, with the model's backward chunk."""
+    from europa_jax.model.attention import library_attention, blockwise_attention
+    from gpu_programs import attention_kernel
 
-    return {"one_document": Program(with_documents(1), make_args),
-            "64_documents": Program(with_documents(64), make_args)}
+    impl, scale = attention_kernel(model, mesh, smoke), model.qk_head_dim ** -0.5
+
+    def attend(q, k, v):
+        if impl == "blockwise":
+            return blockwise_attention(q, k, v, segments_BS, scale=scale,
+                                       block_size=model.attention_block_size)
+        return library_attention(q, k, v, segments_BS, scale=scale, impl=impl,
+                                 backward_chunk=model.attention_backward_chunk)
+
+    return attend
 
 
 def fp8_programs(tokens: int, smoke: bool) -> dict[str, Program]:
