@@ -21,6 +21,7 @@ from conftest import REPO, config_path, process_env
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.run import trackers
+from europa_jax.run.preemption import Preempted
 
 SMALL = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
          "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
@@ -231,6 +232,22 @@ def test_steps_go_forward_from_the_resume_and_only_finite_numbers_go(tmp_path):
     assert history == {3: {"loss": 1.0, "val_loss": 2.0, "x_per_layer/layer_0": 0.5,
                            "x_per_layer/layer_2": 2},
                        4: {"loss": 0.5}}
+
+
+@pytest.mark.parametrize("exc, kinds, exit_code", [
+    (None, [], 0),
+    (Preempted(2, "SIGUSR1"), ["preempting"], 1),  # W&B shows it preempted, not crashed
+    (RuntimeError("boom"), [], 1),
+])
+def test_how_the_run_ended_is_the_wandb_runs_exit(tmp_path, exc, kinds, exit_code):
+    tracker = trackers.WandB(tmp_path, start_step=0, config={})
+    tracker.log({"step": 1, "loss": 1.0})
+    tracker.close(exc)
+    (run_file,) = offline_runs(tmp_path)
+    records = list(wandb_records(run_file))
+    assert [k for r in records if (k := r.WhichOneof("record_type")) == "preempting"] == kinds
+    (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == exit_code
 
 
 def test_wandb_variables_name_the_project_run_and_place(tmp_path, monkeypatch):
