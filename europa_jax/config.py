@@ -24,6 +24,8 @@ MIN_SEQ_LEN = 2
 # default corpus (the Python standard library's sources) is byte-level, so a config that
 # trains on it needs at least this many rows.
 BYTE_VOCAB_SIZE = 257
+# The places `train.trackers` may send logged scalars to (run/trackers.py builds them).
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,9 +234,19 @@ class TrainConfig:
     # holding its share of every device's rows (train.gradients): the same update as one
     # piece, with 1/microbatches of the activations and a weight gather per piece.
     microbatches: int = 1
+    # Where logged scalars go besides metrics.jsonl (always written: the run's record), from
+    # process 0 (run/trackers.py): TensorBoard event files in the run directory, and/or a
+    # Weights & Biases run (the `wandb` extra), offline unless WANDB_MODE says otherwise.
+    trackers: tuple[str, ...] = ("tensorboard",)
 
     def __post_init__(self):
         _positive(self, "steps", "log_every", "eval_batches", "microbatches")
+        unknown = [t for t in self.trackers if t not in TRACKERS]
+        if unknown or len(set(self.trackers)) != len(self.trackers):
+            problem = f"unknown {unknown[0]!r}" if unknown else "a name repeated"
+            raise ConfigError(f"train.trackers: {list(self.trackers)} has {problem}; expected "
+                              f"a list of distinct names from: {', '.join(TRACKERS)} "
+                              "(or [] for none)")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every: {self.eval_every} must be >= 0 (0: never)")
         steps = self.profile_steps

@@ -22,7 +22,7 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
-from europa_jax.run import checkpoint, distributed, logs, run_lock, run_log
+from europa_jax.run import checkpoint, distributed, logs, run_lock, run_log, trackers
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
 from europa_jax.run.save_outcome import SaveFailed
@@ -59,6 +59,8 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     """
     logs.ensure_configured()
     check_device_count(cfg.mesh, jax.device_count())
+    is_primary = jax.process_index() == 0
+    trackers.check_trackers(cfg.train.trackers, is_primary)  # before the run dir is touched
     host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
     validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
@@ -87,7 +89,8 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     logged = []
     progress, log_line = run_log.progress(cfg.train.steps, start_step)
     try:
-        with MetricsLog(run_dir, start_step, is_primary, to_dict(cfg)) as metrics_log, \
+        with MetricsLog(run_dir, start_step, is_primary, to_dict(cfg),
+                        cfg.train.trackers) as metrics_log, \
                 jax.set_mesh(mesh), StopRequests() as stop:
             batches = device_batches(trainer, host_batches)
             for step in range(start_step, cfg.train.steps):

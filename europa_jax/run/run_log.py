@@ -1,11 +1,10 @@
-"""What a run writes about itself: metrics.jsonl, TensorBoard events, events.jsonl, log lines.
+"""What a run writes about itself: metrics.jsonl, the trackers, events.jsonl, log lines.
 
 Process 0 writes the files; every process logs (logs.py puts its rank on each line).
 - `metrics.jsonl`: one JSON object per logged step (and one per validation), the record
   `report.py` and tests read; after a resume it keeps the lines up to the resumed step.
-- TensorBoard event files beside it (tensorboardX): every scalar of those records, a
-  per-layer list as `name/layer_i`, and the config as text. After a resume the writer
-  purges the steps past the checkpoint, so TensorBoard too shows each step once.
+- the trackers `train.trackers` names (trackers.py): TensorBoard event files beside it
+  and/or a Weights & Biases run, each given every record.
 - `events.jsonl`: checkpoints (started, written, failed), resumes, preemption, non-finite
   steps, memory.
 """
@@ -15,18 +14,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
+
+from europa_jax.run import trackers as trackers_lib
 
 log = logging.getLogger(__name__)
 
 
 class MetricsLog(contextlib.AbstractContextManager):
-    """Appends records to metrics.jsonl and TensorBoard; a no-op on processes other than 0."""
+    """Appends records to metrics.jsonl and hands them to the trackers; a no-op on
+    processes other than 0."""
 
-    def __init__(self, run_dir: Path, start_step: int, enabled: bool, config: dict):
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool, config: dict,
+                 trackers: tuple[str, ...] = ("tensorboard",)):
         self.enabled = enabled
         if not enabled:
             return
@@ -38,38 +40,22 @@ class MetricsLog(contextlib.AbstractContextManager):
         self._file = path.open("w")
         self._file.writelines(line + "\n" for line in kept)
         self._file.flush()
-        from tensorboardX import SummaryWriter
-
-        # purge_step: TensorBoard drops what an earlier invocation logged past the resume
-        self._tb = SummaryWriter(str(run_dir), purge_step=start_step + 1 if start_step else None)
-        self._tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```",
-                          global_step=start_step)
+        self._trackers = [trackers_lib.TRACKERS[name](run_dir, start_step, config)
+                          for name in trackers]
 
     def __call__(self, record: dict) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        step = int(record["step"])
-        for key, value in record.items():
-            if key in ("step", "compiled"):
-                continue
-            if isinstance(value, list):
-                for i, v in enumerate(value):
-                    self._scalar(f"{key}/layer_{i}", v, step)
-            else:
-                self._scalar(key, value, step)
-        self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log(record)
 
-    def _scalar(self, tag: str, value, step: int) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value):
-            self._tb.add_scalar(tag, value, global_step=step)
-
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self.enabled:
             self._file.close()
-            self._tb.close()
+            for tracker in self._trackers:
+                tracker.close(exc)
 
 
 class EventLog:
