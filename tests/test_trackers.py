@@ -324,22 +324,20 @@ def test_a_missing_wandb_package_is_refused_by_every_process(monkeypatch, primar
     trackers.check_trackers(("tensorboard",), primary=primary)  # not needed: no error
 
 
-def test_a_missing_wandb_package_is_one_line_exit_2_before_the_run_dir(tmp_path, monkeypatch,
-                                                                         capsys):
-    import logging
-
-    from europa_jax import cli
-
-    monkeypatch.setitem(sys.modules, "wandb", None)
-    # cli.main puts its own handler on the root logger: the next tests get theirs back
-    monkeypatch.setattr(logging.getLogger(), "handlers", list(logging.getLogger().handlers))
-    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)
-    args = ["train", config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"),
-            "--quiet"]
-    for item in [*SMALL, "train.steps=2", "train.trackers=[wandb]"]:
+def test_a_missing_wandb_package_is_one_line_exit_2_before_the_run_dir(tmp_path):
+    # its own process: the CLI sets the CPU device count, which a test worker whose JAX
+    # backend has already started would refuse
+    overrides = [*SMALL, "train.steps=2", "train.trackers=[wandb]"]
+    args = ["train", config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"), "--quiet"]
+    for item in overrides:
         args += ["--set", item]
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err.strip()
+    script = ("import sys; sys.modules['wandb'] = None\n"  # `import wandb` raises ImportError
+              "from europa_jax import cli\n"
+              f"sys.exit(cli.main({args!r}))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=cli_env())
+    assert done.returncode == 2, done.stderr[-3000:]
+    err = done.stderr.strip()
     assert err == f"europa-jax: error: {trackers.WANDB_MISSING}", err
     assert "pip install -e '.[wandb]'" in err and not (tmp_path / "run").exists()
 
