@@ -238,9 +238,26 @@ class TrainConfig:
     # process 0 (run/trackers.py): TensorBoard event files in the run directory, and/or a
     # Weights & Biases run (the `wandb` extra), offline unless WANDB_MODE says otherwise.
     trackers: tuple[str, ...] = ("tensorboard",)
+    # Stragglers (run/stragglers.py): a process whose own time for a step exceeds this ×
+    # the median for `straggler_steps` logged steps in a row is an event (0: not measured).
+    straggler_factor: float = 1.5
+    straggler_steps: int = 3
+    # The hang watchdog (run/watchdog.py): no progress for this long dumps every thread's
+    # stack and exits for requeue. 0: 10 × the median step time, at least 600 s.
+    hang_watchdog: bool = True
+    hang_timeout_s: float = 0.0
+    # JAX's persistent compilation cache (run/compile_cache.py): "" is JAX_COMPILATION_CACHE_DIR
+    # when set, else <run_dir>/compile_cache; "none" turns it off.
+    compile_cache_dir: str = ""
 
     def __post_init__(self):
-        _positive(self, "steps", "log_every", "eval_batches", "microbatches")
+        _positive(self, "steps", "log_every", "eval_batches", "microbatches", "straggler_steps")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            raise ConfigError(f"train.straggler_factor: {self.straggler_factor} must be > 1 "
+                              "(a multiple of the median), or 0 for no straggler measurement")
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(f"train.hang_timeout_s: {self.hang_timeout_s} must be >= 0 "
+                              "(0: 10 × the median step time, at least 600 s)")
         unknown = [t for t in self.trackers if t not in TRACKERS]
         if unknown or len(set(self.trackers)) != len(self.trackers):
             problem = f"unknown {unknown[0]!r}" if unknown else "a name repeated"

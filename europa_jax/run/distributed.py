@@ -28,6 +28,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 from typing import Mapping
 
@@ -177,6 +178,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
         log.info(f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                  f"joining via {launch.coordinator or 'Slurm auto-detection'}; waiting up to "
                  f"{launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})")
+        joining = time.perf_counter()
         try:
             jax.distributed.initialize(
                 launch.coordinator, launch.num_processes, launch.process_id,
@@ -189,6 +191,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None
         sys.excepthook = _exit_at_once
+        _joined["seconds"] = time.perf_counter() - joining
     check_device_count(mesh, jax.device_count(),
                        devices_source(launch, jax.local_device_count(), jax.devices()[0].platform))
     logs.set_rank(jax.process_index(), jax.process_count())
@@ -229,11 +232,34 @@ def job_mesh(mesh_cfg: MeshConfig):
     from europa_jax.parallel import sharding
 
     nodes = node_of_process()
+    _nodes.clear()
+    _nodes.update(nodes)
     mesh = sharding.make_mesh(mesh_cfg, node_of_process=nodes)
     if jax.process_index() == 0:
         log.info(f"mesh data={mesh_cfg.data} × expert={mesh_cfg.expert}; expert groups: "
                  f"{' '.join(expert_groups(mesh.devices, nodes))}")
     return mesh
+
+
+_nodes: dict[int, str] = {}
+_joined: dict[str, float] = {}
+
+
+def join_seconds() -> float | None:
+    """How long `start` waited in jax.distributed.initialize (None: one process)."""
+    return _joined.get("seconds")
+
+
+def nodes() -> dict[int, str]:
+    """{process index: node name}, as `job_mesh` learned it (this process alone before)."""
+    import jax
+
+    return dict(_nodes) or {jax.process_index(): node_name()}
+
+
+def init_timeout_s() -> int:
+    """How long processes may wait for each other at start-up (EUROPA_JAX_INIT_TIMEOUT_S)."""
+    return detect().init_timeout_s
 
 
 def expert_groups(grid, nodes: Mapping[int, str]) -> list[str]:
@@ -285,6 +311,41 @@ def every_process(value: int) -> list[int]:
 
     return [int(v) for v in np.asarray(
         multihost_utils.process_allgather(np.asarray(value, np.int32))).reshape(-1)]
+
+
+def gather_floats(values) -> "np.ndarray":
+    """[processes, len(values)] float32: every process's `values`, in process order (a
+    collective: all must call). How the loop's per-step stop flags and timings travel."""
+    import jax
+    import numpy as np
+
+    row = np.asarray(values, np.float32).reshape(-1)
+    if jax.process_count() == 1:
+        return row[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
+
+
+_barriers: dict[str, int] = {}
+
+
+def barrier(name: str, timeout_s: int) -> None:
+    """Wait until every process of the job arrives here (at most `timeout_s`).
+
+    Through the coordination service, not the devices: a process may wait here far
+    longer than a collective would let it (gloo gives up after 30 s). A no-op for one
+    process. Every process must call it the same number of times.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+
+    _barriers[name] = _barriers.get(name, 0) + 1
+    jax_distributed.global_state.client.wait_at_barrier(f"{name}_{_barriers[name]}",
+                                                        int(timeout_s * 1000))
 
 
 def all_processes(ok: bool) -> bool:

@@ -10,4 +10,6 @@ CRASH = 1  # an uncaught exception (Python's own code): a bug or a hardware faul
 BAD_INPUT = 2  # config, command line, checkpoint or weights a user must fix, or a run
 # directory another command holds (run_lock.py); nothing written
 NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`; last good checkpoint kept
-PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL)
+PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL).
+# Also a hang the watchdog broke (watchdog.py): nothing saved, the requeue resumes from
+# the last checkpoint

@@ -7,6 +7,7 @@ agreed stop requests (preemption.py), the non-finite policy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,15 +18,18 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from europa_jax.config import check_device_count, CheckpointConfig, Config
+from europa_jax.config import check_device_count, Config
 from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
-from europa_jax.run import checkpoint, distributed, logs, run_lock, run_log, trackers
+from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, logs,
+                            run_lock, run_log, timeline, trackers)
+from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
-from europa_jax.run.save_outcome import SaveFailed
+from europa_jax.run.stragglers import StepTimes, StragglerMonitor
+from europa_jax.run.watchdog import HangWatchdog
 from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
                                     Trainer)
 
@@ -73,19 +77,44 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     is_primary = jax.process_index() == 0
     if is_primary:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    compile_cache.use_cache(cfg.train.compile_cache_dir, run_dir)  # before any compile
+    events = EventLog(run_dir, is_primary)
+    clock = timeline.Timeline(run_dir, is_primary,
+                              timeline.next_try(run_dir) if is_primary else 0)
+    watchdog = HangWatchdog(cfg.train.hang_timeout_s, process_index=jax.process_index(),
+                            process_count=jax.process_count(),
+                            events=events if is_primary else None, before_exit=clock.close)
+    clock.listeners.append(watchdog.on_phase)
+    with watchdog if cfg.train.hang_watchdog else contextlib.nullcontext():
+        try:
+            return _steps(cfg, run_dir, host_batches, validation, events, clock, watchdog)
+        finally:
+            clock.close()
+
+
+def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
+           validation: Validation | None, events: EventLog, clock: timeline.Timeline,
+           watchdog: HangWatchdog) -> list[dict]:
+    is_primary = jax.process_index() == 0
     mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
-    events = EventLog(run_dir, is_primary)
     ckpt = checkpoint.Checkpointer(cfg, run_dir, trainer)
     saves = SaveGuard(ckpt, cfg.checkpoint, events)
+    start = StartPhases(startup_s=clock.phase("restore"))
     restored = ckpt.restore_latest(events)
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
+    start.restored = restored is not None
     start_step = restored.step if restored else 0
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
-    step_fn = jit_train_step(trainer)
+    step_fn, executable = jit_train_step(trainer), None
     guard = NonFiniteGuard(cfg.checkpoint)
     profiler = Profiler(cfg, run_dir)
+    faults = fault_injection.Faults(jax.process_index())
+    # one process has no one to straggle behind
+    timed = cfg.train.straggler_factor > 0 and jax.process_count() > 1
+    monitor = StragglerMonitor(cfg.train.straggler_factor, cfg.train.straggler_steps,
+                               distributed.nodes(), events if is_primary else None)
     logged = []
     progress, log_line = run_log.progress(cfg.train.steps, start_step)
     try:
@@ -94,37 +123,64 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 jax.set_mesh(mesh), StopRequests() as stop:
             batches = device_batches(trainer, host_batches)
             for step in range(start_step, cfg.train.steps):
+                done = step + 1
+                phase_s = clock.phase("step", done)  # the previous step's or the restore's
+                if step == start_step:
+                    start.restore_s = phase_s
+                watchdog.note("waiting for its batch")
+                began = time.perf_counter()
                 host_batch, batch = next(batches)
                 # Taken right after the batch is drawn: the position a resume starts from.
                 data_state = host_batches.get_state()
-                done = step + 1
+                faults.before_step(done)
+                if executable is None:  # compiled here, with the batch's shapes, then met
+                    clock.phase("compile")
+                    compiled = compile_cache.compile_step(
+                        step_fn, state, batch, barrier_timeout_s=distributed.init_timeout_s())
+                    executable = compiled.executable
+                    start.compile(compiled, clock.phase("step", done))
+                    began = time.perf_counter()
                 profiler.before(done)
-                start = time.perf_counter()
-                state, metrics = step_fn(state, batch)
+                watchdog.note("on the devices")
+                dispatched = time.perf_counter()
+                state, metrics = executable(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step: honest step time
-                step_time = time.perf_counter() - start
+                finished = time.perf_counter()
+                step_time = finished - dispatched
                 profiler.after(done)
+                watchdog.note("agreeing on stop requests and timings")
+                # same answer on every process, after the same step; the timings ride along
+                stopping, rows = stop.agree_with(
+                    [dispatched - began, step_time] if timed else [])
+                times = StepTimes(rows[:, 0], rows[:, 1]) if timed else None
+                watchdog.step_took(time.perf_counter() - began)
                 if step == start_step:
                     memory = memory_report(state)
                     events("memory", run_log.memory_line(done, memory), step=done, **memory)
+                    start.first_step_s = time.perf_counter() - began
+                    events("start_phases", start.line(done), step=done, **start.fields())
                 if step % cfg.train.log_every == 0 or done == cfg.train.steps:
                     logged.append(_record(cfg, done, metrics, step_time, host_batch,
                                           compiled=step == start_step,
                                           stats=host_batches.stats))
+                    if times is not None:
+                        logged[-1].update(times.summary(monitor.nodes))
+                        monitor.check(done, times)
                     metrics_log(logged[-1])
                     log_line(logged[-1])
                 progress(step, metrics)
                 guard.check(done, metrics, events)  # raises NonFiniteStop: nothing saved
                 if validation and done % cfg.train.eval_every == 0:
+                    clock.phase("validation")
                     record = validation.evaluate(trainer, state, done)
                     metrics_log(record)
                     log.info(f"step {done} val_loss {record['val_loss']:.4f} perplexity "
                              f"{record['val_perplexity']:.2f} ({record['val_tokens']:,} tokens)")
-                stopping = stop.agreed()  # same answer on every process, after the same step
                 saves.check()  # the last save's outcome, once it is known (raises SaveFailed)
                 if stopping or ckpt.due(done):
                     reason = ("preempted" if stopping else
                               "final" if done == cfg.train.steps else "periodic")
+                    clock.phase("checkpoint")
                     saves.check(wait=True)  # one save at a time: the one before must be done
                     ckpt.save(done, state, data_state, reason=reason)
                     events("checkpoint_saving", step=done, reason=reason)
@@ -132,6 +188,7 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     saves.check(wait=True, ending=True)  # exit for requeue only once saved
                     events("preempted", step=done, signal=stop.signal_name)
                     raise Preempted(done, stop.signal_name)
+        clock.phase("checkpoint")
         saves.check(wait=True, ending=True)  # the final save is the run's result
     finally:
         profiler.close()
@@ -141,6 +198,36 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
         ckpt.close()
     progress(None, None)
     return logged
+
+
+class StartPhases:
+    """How long this try took to reach its first step: the `start_phases` event."""
+
+    def __init__(self, startup_s: float):
+        self.startup_s, self.restore_s, self.compile_s = startup_s, None, None
+        self.restored = False  # a fresh start initializes instead
+        self.compile_cache_hit, self.compile_wait_s, self.first_step_s = None, None, None
+
+    def compile(self, compiled: compile_cache.Compiled, phase_s: float) -> None:
+        self.compile_s, self.compile_cache_hit = phase_s, compiled.cache_hit
+        self.compile_wait_s = compiled.waited_s
+
+    def fields(self) -> dict:
+        return {"startup_s": self.startup_s, "distributed_join_s": distributed.join_seconds(),
+                "restored": self.restored, "restore_s": self.restore_s,
+                "compile_s": self.compile_s,
+                "compile_cache_hit": self.compile_cache_hit,
+                "compile_wait_s": self.compile_wait_s, "first_step_s": self.first_step_s}
+
+    def line(self, step: int) -> str:
+        joined = distributed.join_seconds()
+        joined = f" (joining the job {joined:.1f} s)" if joined is not None else ""
+        cache = "a compile-cache hit" if self.compile_cache_hit else "compiled"
+        return (f"start: process start to the trainer {self.startup_s:.1f} s{joined}, "
+                f"{'restore' if self.restored else 'initialize'} {self.restore_s:.1f} s, "
+                f"compile {self.compile_s:.1f} s ({cache}; "
+                f"then {self.compile_wait_s:.1f} s waiting for the job), first step "
+                f"{self.first_step_s:.2f} s (step {step})")
 
 
 def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
@@ -160,67 +247,6 @@ def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
         record["source_token_fraction"] = (stats.source_tokens_I / tokens_per_step).tolist()
         record["source_epochs"] = stats.source_epochs_I.tolist()
     return record
-
-
-class NonFiniteStop(Exception):
-    """The run stopped on a non-finite step; the last good checkpoint is untouched."""
-
-
-class NonFiniteGuard:
-    """Applies `checkpoint.nan_policy` to the `finite` flag of each step's metrics.
-
-    The step itself already left the state unchanged (train.revert_if_nonfinite); this decides
-    whether to go on. Every process sees the same (global) loss, so all decide alike.
-    """
-
-    def __init__(self, cfg: CheckpointConfig):
-        self.cfg = cfg
-        self.consecutive = 0
-
-    def check(self, step: int, metrics: dict, events: "EventLog") -> None:
-        if bool(metrics["finite"]):
-            self.consecutive = 0
-            return
-        self.consecutive += 1
-        stop = self.cfg.nan_policy == "stop" or self.consecutive > self.cfg.max_consecutive_skips
-        events("nonfinite", step=step, loss=float(metrics["loss"]),
-               grad_norm=float(metrics["grad_norm"]), consecutive=self.consecutive,
-               action="stop" if stop else "skip")
-        if stop:
-            raise NonFiniteStop(f"step {step}: loss {float(metrics['loss'])}, grad_norm "
-                                f"{float(metrics['grad_norm'])} ({self.consecutive} consecutive "
-                                f"non-finite, checkpoint.nan_policy={self.cfg.nan_policy}); "
-                                "the last checkpoint is the last good state")
-
-
-class SaveGuard:
-    """Reports each save's outcome once it is known and applies `checkpoint.on_save_error`.
-
-    Saves are written in the background while training goes on; a failed one (a full
-    disk) would otherwise show only in Orbax's log, or as a traceback at the next save.
-    Here it is an event (`checkpoint_failed`), one log line naming the error and the last
-    good checkpoint, and a decision: `stop` raises `SaveFailed`, `continue` trains on to
-    the next save. A run that is ending (the final or a preemption save) stops either way.
-    """
-
-    def __init__(self, ckpt: checkpoint.Checkpointer, cfg: CheckpointConfig, events: EventLog):
-        self.ckpt, self.cfg, self.events = ckpt, cfg, events
-
-    def check(self, *, wait: bool = False, ending: bool = False,
-              raise_error: bool = True) -> None:
-        outcome = self.ckpt.outcome(wait)  # a collective: every process calls it alike
-        if outcome is None:
-            return
-        if outcome.error is None:
-            self.events("checkpoint_saved", step=outcome.step)
-            return
-        stop = ending or self.cfg.on_save_error == "stop"
-        failure = SaveFailed(outcome)
-        self.events("checkpoint_failed", str(failure), level=logging.ERROR, step=outcome.step,
-                    error=outcome.error, last_good=outcome.last_good,
-                    action="stop" if stop else "continue")
-        if stop and raise_error:
-            raise failure
 
 
 class Validation:

@@ -51,4 +51,11 @@ class StopRequests:
 
     def agreed(self) -> bool:
         """True on every process iff any process has been asked to stop (a collective)."""
-        return any(distributed.every_process(self.signal_name is not None))
+        return self.agree_with([])[0]
+
+    def agree_with(self, values) -> tuple[bool, "np.ndarray"]:
+        """`agreed()`, and `values` (floats) from every process by the same gather:
+        [processes, len(values)]. The loop's per-step timings travel this way (stragglers.py),
+        so measuring them adds no collective."""
+        rows = distributed.gather_floats([float(self.signal_name is not None), *values])
+        return bool(rows[:, 0].any()), rows[:, 1:]

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from europa_jax.run import trackers as trackers_lib
+from europa_jax.run import stragglers, trackers as trackers_lib
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,10 @@ def step_line(record: dict, total: int) -> str:
             f"step {record['step_time_s']:.3f} s "
             f"tokens/s/device {record['tokens_per_s_per_device']:,.0f} "
             f"mfu {100 * record['mfu']:.2f}%")
-    return line + (" (includes compilation)" if record.get("compiled") else "")
+    if "slowest_process" in record:  # stragglers.py
+        line += f" {stragglers.line(record)}"
+    # the step is compiled before it, but its first run still warms up (allocations, autotuning)
+    return line + (" (first step of this try)" if record.get("compiled") else "")
 
 
 def progress(total: int, initial: int = 0):

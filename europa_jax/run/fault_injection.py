@@ -1,0 +1,48 @@
+"""Faults on purpose, for the tests of what a job does when one of its processes misbehaves.
+
+Set in a process's environment (never by a configuration):
+- `EUROPA_JAX_INJECT_DELAY=P:SECONDS` — process P sleeps SECONDS after drawing each
+  batch, before its step: a straggler (a slow input pipeline or host).
+- `EUROPA_JAX_INJECT_HANG=P:STEP` — process P stops before dispatching step STEP and
+  never goes on: a rank stuck short of a collective, which the hang watchdog must break.
+
+Malformed values are a one-line configuration error: a test that meant to inject a fault
+and silently did not would pass for the wrong reason.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Mapping
+
+from europa_jax.config import ConfigError
+
+ENV_DELAY = "EUROPA_JAX_INJECT_DELAY"
+ENV_HANG = "EUROPA_JAX_INJECT_HANG"
+
+
+def _parse(env: Mapping[str, str], key: str, kind) -> tuple[int, float] | None:
+    raw = env.get(key)
+    if not raw:
+        return None
+    try:
+        process, value = raw.split(":")
+        return int(process), kind(value)
+    except ValueError:
+        raise ConfigError(f"{key}: {raw!r} is not PROCESS:{kind.__name__.upper()}") from None
+
+
+class Faults:
+    def __init__(self, process_index: int, env: Mapping[str, str] = os.environ):
+        delay, hang = _parse(env, ENV_DELAY, float), _parse(env, ENV_HANG, int)
+        self.delay_s = delay[1] if delay and delay[0] == process_index else 0.0
+        self.hang_step = hang[1] if hang and hang[0] == process_index else None
+
+    def before_step(self, step: int) -> None:
+        """Called after the batch of 1-based `step` is drawn, before it is dispatched."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.hang_step is not None and step == self.hang_step:
+            threading.Event().wait()  # forever, like a read that never returns
