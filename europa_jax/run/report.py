@@ -2,9 +2,10 @@
 
 Reads `<run_dir>/metrics.jsonl` (training records and `val_*` validation records, as
 loop.py writes them), and, when present, `events.jsonl` (checkpoint, resume, preemption,
-non-finite events) and `config.json`. Writes to `<run_dir>/report/` (or `out_dir`):
-loss.png, lr.png, grad_norm.png, throughput.png, experts.png, attention_balance.png —
-each skipped when the run has none of its data — and summary.txt.
+non-finite events), `config.json` and `timeline.jsonl` (the goodput, goodput.py). Writes
+to `<run_dir>/report/` (or `out_dir`): loss.png, lr.png, grad_norm.png, throughput.png,
+experts.png, attention_balance.png — each skipped when the run has none of its data — and
+summary.txt.
 
 Plots use matplotlib's `Figure` + Agg canvas directly: no pyplot global state, no display.
 """
@@ -20,6 +21,8 @@ from typing import Any, Callable
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from europa_jax.run import goodput
 
 # (label, steps, values) of one plotted line; only finite points.
 Line = tuple[str, list[int], list[float]]
@@ -37,6 +40,7 @@ class Run:
     validation: list[dict]
     events: list[dict]
     config: dict | None
+    goodput: dict | None = None  # goodput.py's breakdown of timeline.jsonl
 
 
 # ----------------------------------------------------------------------------- reading
@@ -95,7 +99,15 @@ def load_run(run_dir: str | Path) -> Run:
     return Run(train=_last_per_step([r for r, v in zip(records, is_val) if not v]),
                validation=_last_per_step([r for r, v in zip(records, is_val) if v]),
                events=_read_jsonl(events_path) if events_path.is_file() else [],
-               config=config if isinstance(config, dict) else None)
+               config=config if isinstance(config, dict) else None,
+               goodput=_goodput(run_dir))
+
+
+def _goodput(run_dir: Path) -> dict | None:
+    try:
+        return goodput.run_goodput(run_dir)
+    except goodput.TimelineError as e:
+        raise ReportError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- values
@@ -124,7 +136,7 @@ def _layer_lines(records: list[dict], key: str) -> list[Line]:
 
 
 def _timed(run: Run) -> list[dict]:
-    """The first step of each invocation also pays for compilation: not a step time."""
+    """The first step of each try (its records say `compiled`) warms up: not a step time."""
     return [r for r in run.train if not r.get("compiled")]
 
 
@@ -242,6 +254,7 @@ def summarize(run: Run) -> dict:
         "restarts": sum(e.get("event") == "checkpoint_restored" for e in run.events),
         "preemptions": sum(e.get("event") == "preempted" for e in run.events),
         "nonfinite_steps": sorted(nonfinite),
+        "goodput": run.goodput,
     }
 
 
@@ -270,6 +283,7 @@ def format_summary(summary: dict) -> str:
         f"restarts: {s['restarts']}",
         f"preemptions: {s['preemptions']}",
         f"non-finite steps: {_steps(s['nonfinite_steps'])}",
+        *goodput.format_goodput(s.get("goodput")),
     ]
     if "plots" in s:
         lines.append(f"plots: {', '.join(s['plots']) or 'none'}")
