@@ -58,9 +58,9 @@ def slurm():
 
 @pytest.fixture(scope="module")
 def job_env():
-    # Not conftest's 8 devices per process, and no persistent compilation cache: only
-    # process 0 writes it and the ranks' keys differ, so a warm cache would start rank 0
-    # a compile ahead of rank 1, past gloo's 30 s rendezvous.
+    # Not conftest's 8 devices per process, and not the session's compilation cache: the
+    # run's own (<run_dir>/compile_cache, the default), so that the requeued try's compile
+    # is a hit on what the first try wrote, and the first try's a miss.
     env = process_env("JAX_COMPILATION_CACHE_DIR")
     env.update(EUROPA_VENV=sys.prefix, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     return env
@@ -127,6 +127,18 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
     assert saved == [preempted["step"], STEPS], saved
     steps = [r["step"] for r in records(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1))  # each step once, across the two tries
+
+    # Cheap restarts: the requeued try loads rank 0's program from the run's compile cache
+    # (on CPU only process 0's key is written, so rank 1 compiles again; on GPU one serves all).
+    starts = [e for e in events if e["event"] == "start_phases"]
+    assert [e["compile_cache_hit"] for e in starts] == [False, True], starts
+    assert starts[1]["compile_s"] < starts[0]["compile_s"], starts
+    assert [e["restored"] for e in starts] == [False, True]
+    for attempt, words in [(0, "(compiled;"), (1, "(a compile-cache hit;")]:
+        log = (logs / f"try-{attempt}-rank-0.log").read_text()
+        line = re.search(r"start: process start .*", log)
+        assert line and words in line.group(0), line
+    assert list((run_dir / "compile_cache").glob("jit_train_step-*"))
 
 
 def test_killing_one_rank_ends_the_job_non_zero_within_120_s(slurm, job_env, tmp_path):
