@@ -107,7 +107,8 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     def layer_inputs():  # made inside the jitted functions: no eager op on the target
         positions_BS = jnp.arange(tokens, dtype=jnp.int32)[None]
         return (jnp.ones((1, tokens), jnp.int32), *rope_tables(positions_BS, model),
-                jnp.zeros((model.n_routed_experts,), jnp.float32))
+                jnp.zeros((model.n_routed_experts,), jnp.float32),
+                jnp.ones((1, tokens), jnp.bool_))
 
     def make_args():
         x_BSD = jax.random.normal(jax.random.key(0), (1, tokens, model.d_model), jnp.bfloat16)

@@ -62,6 +62,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): bias += rate * sign(mean_load - load).
     router_bias_update_rate: float = 1e-3
+    # The complementary sequence-wise balance loss (DeepSeek-V3 §2.1.2, eq. 17-20): α ×
+    # Σ_i f_i·P_i per sequence, averaged over the batch's sequences, summed over MoE layers
+    # (model/moe.py sequence_balance). 0 = off; DeepSeek-V3 used 1e-4.
+    seq_aux_loss_weight: float = 0.0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -142,6 +146,9 @@ class ModelConfig:
         if self.n_group > 1 and experts_per_group < 2:
             raise ConfigError(f"model.n_group: {self.n_group} leaves {experts_per_group} expert per "
                               "group; group scores sum each group's top-2 experts")
+        if not self.seq_aux_loss_weight >= 0:
+            raise ConfigError(f"model.seq_aux_loss_weight: {self.seq_aux_loss_weight} must be "
+                              ">= 0 (0: no sequence-wise balance loss)")
         if self.moe_buffer_factor <= 0:
             raise ConfigError(f"model.moe_buffer_factor: {self.moe_buffer_factor} must be "
                               "positive")

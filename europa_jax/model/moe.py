@@ -52,6 +52,33 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
     return weights_TU * cfg.routed_scaling_factor, experts_TU.astype(jnp.int32)
 
 
+def sequence_balance(logits_BSE: jax.Array, experts_BSU: jax.Array, tokens_BS: jax.Array):
+    """DeepSeek-V3's sequence-wise balance (§2.1.2, eq. 18-20) of each row, before α:
+
+        f_i = N_r / (K_r·T) · Σ_t 1[expert i chosen for token t]
+        P_i = 1/T · Σ_t s'_{i,t},   s'_{i,t} = s_{i,t} / Σ_j s_{j,t}   (unbiased sigmoid scores)
+        balance = Σ_i f_i·P_i       (1 when perfectly balanced, up to N_r / K_r)
+
+    T is the row's real tokens (`tokens_BS` 1, padding 0). The choice counts are
+    constants (an indicator); the gradient reaches the router through P. Returns (the sum
+    over rows of their balance, the number of rows with tokens)."""
+    b, s, e = logits_BSE.shape
+    k = experts_BSU.shape[-1]
+    real_BS = tokens_BS.astype(jnp.float32)
+    tokens_B = real_BS.sum(axis=-1)
+    scores_BSE = jax.nn.sigmoid(logits_BSE.astype(jnp.float32))
+    shares_BSE = scores_BSE / scores_BSE.sum(axis=-1, keepdims=True)
+    p_BE = (shares_BSE * real_BS[..., None]).sum(axis=1) / jnp.maximum(tokens_B, 1.0)[:, None]
+    # choices per row by a scatter-add: [B, S, K, E] one-hots would be GBs at 65,536 × 384
+    rows_BSU = jnp.broadcast_to(jnp.arange(b)[:, None, None], experts_BSU.shape)
+    chosen_BE = jnp.zeros((b, e), jnp.float32).at[rows_BSU, experts_BSU].add(
+        jnp.broadcast_to(real_BS[..., None], experts_BSU.shape))
+    f_BE = chosen_BE * e / (k * jnp.maximum(tokens_B, 1.0))[:, None]
+    has_tokens_B = tokens_B > 0
+    balance_B = jnp.where(has_tokens_B, (f_BE * p_BE).sum(axis=-1), 0.0)
+    return balance_B.sum(), has_tokens_B.sum().astype(jnp.float32)
+
+
 def expert_window_rows(t: int, cfg: ModelConfig, groups: int) -> int:
     """Copies per window of one expert group: `moe_buffer_factor` × the copies a group
     expects (a device receives t·k copies on average, split over its groups)."""
@@ -163,7 +190,9 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BSD: jax.Array, router_bias_E: jax.Array):
+    def __call__(self, x_BSD: jax.Array, router_bias_E: jax.Array, tokens_BS=None):
+        """`tokens_BS` (1 = a real token, 0 = padding) is needed only for the
+        sequence-wise balance loss (`model.seq_aux_loss_weight` > 0)."""
         cfg, dt = self.cfg, x_BSD.dtype
         d, e = cfg.d_model, cfg.n_routed_experts
         w_router_DE = weight(self, "w_router")  # float32 (param_table.ROUTING)
@@ -173,7 +202,8 @@ class MoE(nn.Module):
 
         b, s, _ = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        weights_TU, experts_TU = route(x_TD.astype(jnp.float32) @ w_router_DE, router_bias_E, cfg)
+        logits_TE = x_TD.astype(jnp.float32) @ w_router_DE
+        weights_TU, experts_TU = route(logits_TE, router_bias_E, cfg)
         y_TD, stats = chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
                                        w_down_EFD, cfg)
         routed_BSD = checkpoint_name(y_TD.astype(dt).reshape(b, s, d), "moe_out")
@@ -183,6 +213,9 @@ class MoE(nn.Module):
         # Loads over the whole global batch: the balancing bias must agree on every device.
         stats["expert_counts_E"] = comm.psum_all(
             jnp.bincount(experts_TU.reshape(-1), length=e).astype(jnp.int32))
+        if cfg.seq_aux_loss_weight > 0:  # this device's rows; the loss sums over devices
+            stats["seq_balance_sum"], stats["seq_balance_rows"] = sequence_balance(
+                logits_TE.reshape(b, s, e), experts_TU.reshape(b, s, -1), tokens_BS)
         return routed_BSD, stats
 
 

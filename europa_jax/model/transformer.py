@@ -34,7 +34,9 @@ class DecoderBlock(nn.Module):
     is_moe: bool
 
     @nn.compact
-    def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E):
+    def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E, tokens_BS):
+        """`segment_ids_BS` are attention's (the node's rows under context parallelism);
+        `tokens_BS` marks this device's own real tokens (the MoE's sequence balance)."""
         cfg = self.cfg
         x_BSD = checkpoint_name(x_BSD, "layer_input")
         attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
@@ -43,7 +45,7 @@ class DecoderBlock(nn.Module):
         h_BSD = x_BSD + attn_BSD
         mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_BSD)
         if self.is_moe:
-            mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E)
+            mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E, tokens_BS)
         else:
             mlp_out_BSD, stats = SwiGLU(cfg, name="mlp")(mlp_in_BSD), {}
         return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
@@ -83,11 +85,13 @@ class Transformer(nn.Module):
         attention_segments_BS = group.gather_rows(segment_ids_BS)
         cos_BSP2, sin_BSP2 = rope_tables(group.gather_rows(positions_BS), cfg)
 
+        tokens_BS = segment_ids_BS > 0  # this device's own rows: padding is segment 0
         dense_stack, moe_stack = param_table.STACKS
         x_BSD, dense = self._stack(x_BSD, attention_segments_BS, cos_BSP2, sin_BSP2, None,
-                                   is_moe=False, n=cfg.n_dense_layers, stack=dense_stack)
+                                   tokens_BS, is_moe=False, n=cfg.n_dense_layers,
+                                   stack=dense_stack)
         x_BSD, moe = self._stack(x_BSD, attention_segments_BS, cos_BSP2, sin_BSP2,
-                                 router_bias_LE,
+                                 router_bias_LE, tokens_BS,
                                  is_moe=True, n=cfg.n_moe_layers, stack=moe_stack)
         stats = {key: value for key, value in moe.items() if key != "attention_logit_max_H"}
         stats["attention_logit_max_LH"] = jnp.concatenate(
@@ -100,8 +104,8 @@ class Transformer(nn.Module):
         return lm_head.token_nll(x_BSD, head_DV, targets_BS, cfg.vocab_size,
                                  cfg.loss_chunk_tokens), stats
 
-    def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, *, is_moe, n,
-               stack):
+    def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, tokens_BS, *,
+               is_moe, n, stack):
         """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
         if n == 0:
             return x_BSD, {}
@@ -109,16 +113,17 @@ class Transformer(nn.Module):
         bias_axis = 0 if is_moe else nn.broadcast
         if self.cfg.scan_layers:
             scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, bias_axis),
+                              in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, bias_axis,
+                                       nn.broadcast),
                               length=n)
             return scanned(self.cfg, is_moe, name=stack)(x_BSD, segment_ids_BS, cos_BSP2,
-                                                         sin_BSP2, router_bias_LE)
+                                                         sin_BSP2, router_bias_LE, tokens_BS)
         per_layer = []
         for i in range(n):
             bias_E = router_bias_LE[i] if is_moe else None
             name, _ = param_table.stack_key(stack, i, scanned=False)
             x_BSD, stats = block_cls(self.cfg, is_moe, name=name)(
-                x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E)
+                x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E, tokens_BS)
             per_layer.append(stats)
         return x_BSD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 

@@ -186,7 +186,9 @@ def _plot_experts(run: Run) -> Figure | None:
             or [_line(run.train, "expert_load_max_over_mean", "all layers")])
     return _figure("MoE expert load and router bias", [
         ("expert load max/mean", load, False),
-        ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer"), False)])
+        ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer"), False),
+        # model.seq_aux_loss_weight > 0 only: the panel is left out otherwise
+        ("sequence-wise balance loss", [_line(run.train, "seq_aux_loss")], False)])
 
 
 def _plot_attention_logits(run: Run) -> Figure | None:

@@ -62,14 +62,15 @@ class Trainer:
     def abstract_params(self) -> Any:
         return self.abstract_state.params
 
-    def loss(self, params, router_bias_LE, batch: Batch, denominator=None):
+    def loss(self, params, router_bias_LE, batch: Batch, denominators=None):
         """`loss_and_stats` run as one shard_map over the whole mesh (explicit SPMD).
 
         Inside, every device holds its batch rows and parameter shards; the model gathers
         each weight where it is used and exchanges MoE tokens itself (comm.py), so all
         communication of the forward and backward pass is explicit in the lowered HLO.
-        `denominator`: divide the summed loss by it instead of this batch's target count
-        (a microbatch's share of the global batch's mean: `gradients`).
+        `denominators` [targets, rows]: divide the summed token loss and sequence balance
+        by these instead of this batch's own counts (a microbatch's share of the global
+        batch's means: `gradients`); 0 = the batch's own.
         """
         batch_spec = self.batch_sharding.spec
         body = functools.partial(_loss_in_context, self.spmd, self.model)
@@ -77,10 +78,10 @@ class Trainer:
             body, mesh=self.mesh,
             in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}, P()),
             out_specs=(P(), P()), check_vma=False)
-        if denominator is None:
-            denominator = jnp.zeros((), jnp.float32)  # 0: this batch's own target count
+        if denominators is None:
+            denominators = jnp.zeros((2,), jnp.float32)  # 0: this batch's own counts
         return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch,
-                       denominator)
+                       denominators)
 
 
 def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
@@ -210,17 +211,21 @@ def abstract_batch(trainer: Trainer) -> Batch:
 
 
 def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_bias_LE, batch,
-                     denominator):
+                     denominators):
     with comm.spmd(ctx):
-        return loss_and_stats(model, params, router_bias_LE, batch, denominator)
+        return loss_and_stats(model, params, router_bias_LE, batch, denominators)
 
 
-def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch, denominator=0.0):
-    """Mean next-token cross entropy over tokens whose successor is in the same document.
+def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch,
+                   denominators=(0.0, 0.0)):
+    """The training objective: the mean next-token cross entropy over tokens whose
+    successor is in the same document (`stats["lm_loss"]`, the `loss` a run logs), plus,
+    with `model.seq_aux_loss_weight` α > 0, α × the sequence-wise balance summed over MoE
+    layers and averaged over the batch's sequences (`stats["seq_aux_loss"]`, moe.py).
 
-    Sums are taken over every device under SPMD (comm.psum_all), so the mean is global;
-    so is the attention logit max (a max over every device, for QK-clip). A positive
-    `denominator` replaces the batch's own target count (a microbatch's share).
+    Sums are taken over every device under SPMD (comm.psum_all), so the means are global;
+    so is the attention logit max (a max over every device, for QK-clip). Positive
+    `denominators` [targets, rows] replace the batch's own counts (a microbatch's share).
     """
     tokens_BS = batch["tokens"]
     targets_BS = jnp.roll(tokens_BS, -1, axis=1)
@@ -229,8 +234,18 @@ def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch, den
                                 batch["positions"], router_bias_LE, targets_BS)
     total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
     stats["attention_logit_max_LH"] = qk_clip.global_max(stats["attention_logit_max_LH"])
-    count = jnp.where(denominator > 0, denominator, total[1])
-    return total[0] / jnp.maximum(count, 1.0), stats
+    denominators = jnp.asarray(denominators, jnp.float32)
+    count = jnp.where(denominators[0] > 0, denominators[0], total[1])
+    stats["lm_loss"] = loss = total[0] / jnp.maximum(count, 1.0)
+    if model.cfg.seq_aux_loss_weight > 0:
+        # per MoE layer, the same rows in each: sum the layers' balances, count rows once
+        balance = comm.psum_all(jnp.stack([stats.pop("seq_balance_sum").sum(),
+                                           stats.pop("seq_balance_rows")[0]]))
+        rows = jnp.where(denominators[1] > 0, denominators[1], balance[1])
+        stats["seq_aux_loss"] = model.cfg.seq_aux_loss_weight * balance[0] / jnp.maximum(
+            rows, 1.0)
+        loss = loss + stats["seq_aux_loss"]
+    return loss, stats
 
 
 def target_weights(segments_BS: jax.Array) -> jax.Array:
@@ -242,8 +257,8 @@ def target_weights(segments_BS: jax.Array) -> jax.Array:
 def eval_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """(mean next-token loss, number of targets) of a batch: the training forward, no update."""
     params = offload.to_device(state.params, trainer.state_shardings.params)
-    loss, _ = trainer.loss(params, state.router_bias_LE, batch)
-    return loss, target_weights(batch["segment_ids"]).sum()
+    _, stats = trainer.loss(params, state.router_bias_LE, batch)
+    return stats["lm_loss"], target_weights(batch["segment_ids"]).sum()
 
 
 def jit_eval_step(trainer: Trainer):
@@ -291,10 +306,12 @@ def gradients(trainer: Trainer, params, router_bias_LE, batch: Batch):
     m = trainer.cfg.train.microbatches
     if m == 1:
         return grad_fn(params, router_bias_LE, batch)
-    denominator = jnp.maximum(target_weights(batch["segment_ids"]).sum(), 1.0)
+    segments_BS = batch["segment_ids"]
+    denominators = jnp.maximum(jnp.stack([target_weights(segments_BS).sum(),
+                                          (segments_BS > 0).any(axis=1).sum()]), 1.0)
     pieces = microbatches(trainer, batch)
     first = jax.tree.map(lambda x: x[0], pieces)
-    _, stats_shape = jax.eval_shape(trainer.loss, params, router_bias_LE, first, denominator)
+    _, stats_shape = jax.eval_shape(trainer.loss, params, router_bias_LE, first, denominators)
     param_shardings = jax.tree.map(lambda s: s.with_memory_kind("device"),
                                    trainer.state_shardings.params)
 
@@ -303,7 +320,7 @@ def gradients(trainer: Trainer, params, router_bias_LE, batch: Batch):
 
     def add(carry, piece):
         loss, stats, grads = carry
-        (loss_i, stats_i), grads_i = grad_fn(params, router_bias_LE, piece, denominator)
+        (loss_i, stats_i), grads_i = grad_fn(params, router_bias_LE, piece, denominators)
         grads = jax.tree.map(lambda g, gi: g + gi.astype(jnp.float32), grads, grads_i)
         return (loss + loss_i, merge_stats(stats, stats_i), grads), None
 
@@ -338,7 +355,7 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     metrics = {
-        "loss": loss,
+        "loss": stats["lm_loss"],  # the next-token loss; the objective adds seq_aux_loss
         "grad_norm": grad_norm,
         "finite": finite,
         "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
@@ -362,6 +379,8 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "attention_logit_max_per_layer": logit_max_LH.max(axis=-1),
         "qk_clip_heads_clipped": heads_clipped,
     }
+    if "seq_aux_loss" in stats:
+        metrics["seq_aux_loss"] = stats["seq_aux_loss"]
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            router_bias_LE=router_bias_LE)
     return revert_if_nonfinite(finite, new_state, state), metrics
