@@ -17,8 +17,9 @@ phase has lasted longer than its limit, the thread
    coordination service (process 0) outlives their departure.
 
 The limit: `train.hang_timeout_s` when set, else 10 × the median step time so far, never
-below `DERIVED_FLOOR_S`. Restore and compile (minutes at full scale, no step time to go
-by yet) get at least `STARTUP_FLOOR_S`.
+below `DERIVED_FLOOR_S`. The start of a try — building the trainer and meeting the other
+processes, restore, compile: minutes at full scale, with no step time to go by yet — gets
+at least `STARTUP_FLOOR_S`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 
 DERIVED_FLOOR_S = 600.0  # a derived limit never below this (a long save, a slow validation)
 STEP_MULTIPLE = 10.0  # a derived limit: this many median steps
-STARTUP_FLOOR_S = 1800.0  # restore and compile, whatever the limit
-STARTUP_PHASES = ("restore", "compile")
+STARTUP_FLOOR_S = 1800.0  # the start of a try, whatever the limit
+STARTUP_PHASES = ("startup", "restore", "compile")
 MEET_TIMEOUT_S = 60  # how long a firing watchdog waits for the others at the barrier
 STEP_TIMES_KEPT = 101  # the median of the last this-many step times
 
