@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import random
 import signal
@@ -562,3 +563,18 @@ def test_a_save_reported_failed_after_its_commit_is_set_aside(small, tmp_path):
     assert checkpoint.committed_steps(tmp_path) == [1]  # a resume takes the last good one
     assert [p.name.split("-")[0] for p in (tmp_path / checkpoint.CORRUPT_SUBDIR).iterdir()] \
         == ["2"]
+
+
+def test_asyncio_s_unretrieved_failures_of_a_failed_save_are_dropped_whatever_their_kind():
+    """One per array still being written when a save fails: Task, Future or, when several
+    writes were gathered, _GatheringFuture (each with a traceback)."""
+    from europa_jax.run import logs
+
+    noise = logs._LibraryNoise()
+
+    def record(message):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    for kind in ("Task", "Future", "_GatheringFuture"):
+        assert not noise.filter(record(f"{kind} exception was never retrieved\nfuture: <...>"))
+    assert noise.filter(record("Unclosed client session"))  # anything else stays

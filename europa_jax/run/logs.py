@@ -26,8 +26,9 @@ class _RankFilter(logging.Filter):
         return True
 
 
-# asyncio's words for a task or future that failed with nobody awaiting it
-_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+# asyncio's words for a task or future (Task, Future, _GatheringFuture) that failed with
+# nobody awaiting it: "<kind> exception was never retrieved"
+_UNRETRIEVED = " exception was never retrieved"
 
 
 class _LibraryNoise(logging.Filter):
@@ -38,7 +39,7 @@ class _LibraryNoise(logging.Filter):
     line say what failed. --verbose shows everything."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "asyncio" and str(record.msg).startswith(_UNRETRIEVED):
+        if record.name == "asyncio" and _UNRETRIEVED in str(record.msg).split("\n", 1)[0]:
             return False
         if record.exc_info and record.name.split(".")[0] in _LIBRARIES:
             record.exc_info, record.exc_text = None, None
