@@ -343,3 +343,26 @@ def test_a_run_killed_and_resumed_twice_reports_goodput_summing_to_its_wall_time
     assert not any(s > restored[1] for s in ran[1])  # a preemption saves the step it ran
     assert summary["steps_kept"] == 8 and [t["try"] for t in summary["tries"]] == [0, 1, 2]
     assert math.isclose(summary["goodput"], parts["training_steps"] / wall)
+
+
+def test_firing_exits_even_when_logging_and_stderr_are_broken(monkeypatch):
+    """A root log handler on a closed stream, a stderr with no file descriptor, events
+    that raise: each part fails on its own and the exit still comes."""
+    import io
+
+    closed = io.StringIO()
+    closed.close()
+    handler = logging.StreamHandler(closed)
+    logging.getLogger().addHandler(handler)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # faulthandler needs a fileno
+    try:
+        def broken_events(*args, **kwargs):
+            raise OSError("disk gone")
+
+        dog, clock, exits, closed_timeline = make_watchdog(10, broken_events)
+        dog.on_phase("step", 2)
+        clock.now += 11
+        dog.fire()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert exits == [exit_codes.PREEMPTED] and closed_timeline == [True]

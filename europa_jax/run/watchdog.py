@@ -123,34 +123,48 @@ class HangWatchdog:
         return f"{self.phase}{step}{detail}"
 
     def fire(self) -> None:
-        """Dump the stacks, meet the others, record the hang, exit for requeue."""
-        waited = self._clock() - self.since
-        where = self.where()
-        log.error(f"hang: no progress for {waited:.0f} s (limit {self.timeout_s():.0f} s, "
-                  f"train.hang_timeout_s) in {where}; every thread's stack follows, then the "
-                  f"job exits {exit_codes.PREEMPTED} for requeue from the last checkpoint")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        phases = meet_the_others(self.process_index, self.process_count, where)
+        """Dump the stacks, meet the others, record the hang, exit for requeue.
+
+        Each part is tried on its own, and the exit comes whatever they met (a log
+        handler whose stream is closed, a stderr without a file descriptor, a
+        coordination service that is gone): a watchdog that fails to exit is a hang."""
+        waited, where = self._clock() - self.since, self.where()
+        _try(log.error, f"hang: no progress for {waited:.0f} s (limit {self.timeout_s():.0f} s, "
+             f"train.hang_timeout_s) in {where}; every thread's stack follows, then the job "
+             f"exits {exit_codes.PREEMPTED} for requeue from the last checkpoint")
+        _flush_logs()
+        _try(faulthandler.dump_traceback, file=sys.stderr, all_threads=True)
+        _flush_logs()
+        phases = _try(meet_the_others, self.process_index, self.process_count, where) or {
+            self.process_index: where}
         if self.events is not None:  # process 0
             missing = [p for p in range(self.process_count) if p not in phases]
-            self.events("hang", f"hang recorded: processes' phases {phases}; missing {missing}",
-                        level=logging.ERROR, step=self.step, phase=self.phase,
-                        seconds=round(waited, 1), timeout_s=self.timeout_s(),
-                        processes={str(p): phase for p, phase in sorted(phases.items())},
-                        missing=missing)
-        self._before_exit()  # the timeline's last line: the phase that hung
+            _try(self.events, "hang",
+                 f"hang recorded: processes' phases {phases}; missing {missing}",
+                 level=logging.ERROR, step=self.step, phase=self.phase,
+                 seconds=round(waited, 1), timeout_s=self.timeout_s(),
+                 processes={str(p): phase for p, phase in sorted(phases.items())},
+                 missing=missing)
+        _try(self._before_exit)  # the timeline's last line: the phase that hung
         if self.process_index == 0 and self.process_count > 1:
             time.sleep(2.0)  # the others leave first: the coordination service is ours
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_logs()
         self._exit(exit_codes.PREEMPTED)
+
+
+def _try(function, *args, **kwargs):
+    """`function(...)`, or None if it raised: a part of firing that failed is skipped."""
+    try:
+        return function(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (nothing may stop the exit)
+        return None
+
+
+def _flush_logs() -> None:
+    for stream in [*(getattr(h, "stream", None) for h in logging.getLogger().handlers),
+                   sys.stdout, sys.stderr]:
+        if stream is not None:
+            _try(stream.flush)
 
 
 def meet_the_others(process_index: int, process_count: int, where: str) -> dict[int, str]:
