@@ -261,8 +261,10 @@ def test_a_rank_slowed_by_a_delay_is_named_in_the_log_metrics_and_events(tmp_pat
     # Step 1's delay came before the compile, which the processes meet after: not counted.
     assert [r["slowest_process"] for r in records[1:]] == [1] * 5, records
     assert all(r["slowest_lag_s"] > 1.5 for r in records[1:])  # of the 2 s asleep
-    assert all(f"slowest p1 ({records[0]['slowest_node']}) +" in line
-               for line in log.splitlines() if " step " in line and "/6 loss" in line)
+    lines = log.splitlines()
+    for record in records[1:]:
+        (line,) = [line for line in lines if f" step {record['step']}/6 loss" in line]
+        assert f"slowest p1 ({record['slowest_node']}) +" in line, line
     (event,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "straggler"]
     assert (event["process"], event["step"], event["logged_steps"]) == (1, 4, 3)
     assert event["node"] == records[0]["slowest_node"] and event["host_time_s"] > 1.9
@@ -301,7 +303,8 @@ def test_a_rank_blocked_before_a_collective_trips_every_watchdog_dumps_and_exits
 def test_a_run_killed_and_resumed_twice_reports_goodput_summing_to_its_wall_time(
         tmp_path, cli_env):
     pause = 3.0
-    # try 0: killed without warning after step 3 (its save of step 2 may or may not be done)
+    # try 0: killed without warning after step 3 (its save of step 2 may or may not be
+    # done: under load the next try may start over from step 1)
     proc = start_cli(tmp_path, cli_env)
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(signal.SIGKILL)
@@ -337,7 +340,8 @@ def test_a_run_killed_and_resumed_twice_reports_goodput_summing_to_its_wall_time
                    if e["event"] == "start_phases"]
     restored = [step - 1 for step in first_steps[1:]]
     ran = [{r["step"] for r in records if r["phase"] == "step" and r["try"] == t} for t in (0, 1)]
-    assert len(first_steps) == 3 and max(ran[0]) >= 3 and max(ran[1]) >= 5
+    # (a step's phase is recorded when the next begins: the kill may leave step 3's out)
+    assert len(first_steps) == 3 and max(ran[0]) >= 2 and max(ran[1]) >= 5
     lost = sum(s > r for steps, r in zip(ran, restored) for s in steps)
     assert summary["steps_lost"] == lost and (lost > 0) == (parts["lost_work"] > 0)
     assert not any(s > restored[1] for s in ran[1])  # a preemption saves the step it ran
