@@ -16,7 +16,6 @@ compiles, longer than gloo's own timeout allows on CPU.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ import jax
 from jax import monitoring
 
 from europa_jax.run import distributed
-
-log = logging.getLogger(__name__)
 
 ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -77,7 +74,6 @@ class _Hits:
 @dataclass(frozen=True)
 class Compiled:
     executable: object  # jax.stages.Compiled: call it as the step
-    seconds: float  # this process's lowering and compile (or cache load)
     cache_hit: bool
     waited_s: float  # then waiting at the barrier for the job's slowest compile
 
@@ -86,9 +82,7 @@ def compile_step(step_fn, state, batch, *, barrier_timeout_s: int) -> Compiled:
     """Lower and compile `step_fn` for these arguments, then meet the other processes."""
     _Hits.listen()
     hits = _Hits.count
-    start = time.perf_counter()
     executable = step_fn.lower(state, batch).compile()
-    seconds = time.perf_counter() - start
+    compiled = time.perf_counter()
     distributed.barrier("europa_step_compiled", barrier_timeout_s)
-    return Compiled(executable, seconds, _Hits.count > hits,
-                    time.perf_counter() - start - seconds)
+    return Compiled(executable, _Hits.count > hits, time.perf_counter() - compiled)

@@ -300,17 +300,9 @@ def every_process(value: int) -> list[int]:
     """`value` from every process of the job, in process order (a collective: all must call).
 
     How the processes take one decision together: each contributes what it saw, all read
-    the same list and so decide alike.
+    the same list and so decide alike. (Small codes and flags: exact in float32.)
     """
-    import jax
-    import numpy as np
-
-    if jax.process_count() == 1:
-        return [int(value)]
-    from jax.experimental import multihost_utils
-
-    return [int(v) for v in np.asarray(
-        multihost_utils.process_allgather(np.asarray(value, np.int32))).reshape(-1)]
+    return [int(v) for v in gather_floats([value])[:, 0]]
 
 
 def gather_floats(values) -> "np.ndarray":
@@ -327,6 +319,14 @@ def gather_floats(values) -> "np.ndarray":
     return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
 
 
+def coordination_client():
+    """The job's coordination-service client (jax.distributed's; None for one process):
+    its key-value store and barriers work where the devices' collectives are stuck."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
 _barriers: dict[str, int] = {}
 
 
@@ -341,10 +341,8 @@ def barrier(name: str, timeout_s: int) -> None:
 
     if jax.process_count() == 1:
         return
-    from jax._src import distributed as jax_distributed
-
     _barriers[name] = _barriers.get(name, 0) + 1
-    jax_distributed.global_state.client.wait_at_barrier(f"{name}_{_barriers[name]}",
+    coordination_client().wait_at_barrier(f"{name}_{_barriers[name]}",
                                                         int(timeout_s * 1000))
 
 

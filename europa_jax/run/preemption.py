@@ -28,7 +28,8 @@ class Preempted(Exception):
 
 
 class StopRequests:
-    """Context manager: catches STOP_SIGNALS while the loop runs; `agreed()` after each step."""
+    """Context manager: catches STOP_SIGNALS while the loop runs; `agree_with` after each
+    step."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -49,13 +50,10 @@ class StopRequests:
         logs.signal_safe_line("WARNING", __name__, f"{self.signal_name} received: finishing "
                               "the current step, then saving")
 
-    def agreed(self) -> bool:
-        """True on every process iff any process has been asked to stop (a collective)."""
-        return self.agree_with([])[0]
-
     def agree_with(self, values) -> tuple[bool, "np.ndarray"]:
-        """`agreed()`, and `values` (floats) from every process by the same gather:
-        [processes, len(values)]. The loop's per-step timings travel this way (stragglers.py),
-        so measuring them adds no collective."""
+        """(True on every process iff any process has been asked to stop, `values`
+        (floats) of every process [processes, len(values)]), by one gather (a collective).
+        The loop's per-step timings travel this way (stragglers.py), so measuring them
+        adds no collective."""
         rows = distributed.gather_floats([float(self.signal_name is not None), *values])
         return bool(rows[:, 0].any()), rows[:, 1:]

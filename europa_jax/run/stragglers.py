@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class StepTimes:

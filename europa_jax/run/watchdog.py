@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable
 
-from europa_jax.run import exit_codes
+from europa_jax.run import distributed, exit_codes
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,7 @@ def meet_the_others(process_index: int, process_count: int, where: str) -> dict[
     barrier with a timeout; {this process: where} when there is no job to meet."""
     if process_count == 1:
         return {process_index: where}
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
+    client = distributed.coordination_client()
     if client is None:
         return {process_index: where}
     try:
