@@ -94,7 +94,7 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     from europa_jax.parallel import sharding
     from europa_jax.model import kernels
     from europa_jax.model.layers import rope_tables
-    from europa_jax.model.transformer import DecoderBlock
+    from europa_jax.model.block import DecoderBlock
 
     # the grouped matmul the mesh's platform gets ("auto": blocked on CPU, tokamax on GPU)
     impl = kernels.grouped_matmul_impl(model, sharding.mesh_platform(mesh))

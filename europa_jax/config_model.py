@@ -66,6 +66,14 @@ class ModelConfig:
     # Σ_i f_i·P_i per sequence, averaged over the batch's sequences, summed over MoE layers
     # (model/moe.py sequence_balance). 0 = off; DeepSeek-V3 used 1e-4.
     seq_aux_loss_weight: float = 0.0
+    # Multi-token prediction (DeepSeek-V3 §2.2): this many sequential MTP modules after the
+    # main model, module k predicting t_{i+k+1} (the token k after the next) from the
+    # previous module's states and the embedding of t_{i+k} (model/mtp.py); their mean
+    # loss × λ = `mtp_loss_weight` joins the objective. 0 = off; DeepSeek-V3 used 1 module,
+    # λ = 0.3 for its first 10T tokens and 0.1 after. Exported as layers `n_layers`… for
+    # vLLM's speculative decoding (interop/hf_layout.py).
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -149,6 +157,15 @@ class ModelConfig:
         if not self.seq_aux_loss_weight >= 0:
             raise ConfigError(f"model.seq_aux_loss_weight: {self.seq_aux_loss_weight} must be "
                               ">= 0 (0: no sequence-wise balance loss)")
+        if self.mtp_layers < 0:
+            raise ConfigError(f"model.mtp_layers: {self.mtp_layers} must be >= 0 (0: no "
+                              "multi-token prediction)")
+        if self.mtp_layers and self.n_moe_layers == 0:
+            raise ConfigError(f"model.mtp_layers: {self.mtp_layers} needs MoE layers (an MTP "
+                              "module's block is a MoE block, as in DeepSeek-V3); model.n_dense_"
+                              f"layers={self.n_dense_layers} = model.n_layers")
+        if not self.mtp_loss_weight >= 0:
+            raise ConfigError(f"model.mtp_loss_weight: {self.mtp_loss_weight} must be >= 0")
         if self.moe_buffer_factor <= 0:
             raise ConfigError(f"model.moe_buffer_factor: {self.moe_buffer_factor} must be "
                               "positive")

@@ -32,8 +32,9 @@ import jax
 
 from europa_jax.config import ModelConfig
 
-# The decoder's layer stacks, in model order; unrolled layers are `<stack>_<i>`.
-STACKS = ("dense_layers", "moe_layers")
+# The layer stacks, in model order: the decoder's, then the multi-token prediction modules
+# (model/mtp.py: a MoE block's roles plus the `mtp_layers` rows). Unrolled: `<stack>_<i>`.
+STACKS = ("dense_layers", "moe_layers", "mtp_layers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,9 @@ class HF:
     kind: Literal["linear", "expert", "vector", "embedding", "lm_head"] = "linear"
 
 
-Where = Literal["model", "every_layer", "dense_layers", "moe_layers"]
+# Which stacks hold a row: "every_layer" is every block, the MTP modules' included; a
+# "moe_layers" row is in the MTP modules too (their blocks are MoE blocks).
+Where = Literal["model", "every_layer", "dense_layers", "moe_layers", "mtp_layers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +118,13 @@ ROWS: dict[str, Param] = {
     "embedding": Param(shape=lambda m: (m.padded_vocab_size, m.d_model), axes=("vocab", "embed"),
                        precision=LOGITS, optimizer="adamw", where="model",
                        hf=HF("model.embed_tokens.weight", kind="embedding")),
+    # --- a multi-token prediction module's own (DeepSeek-V3 §2.2, model/mtp.py): the norms
+    # of the next token's embedding and of the previous state, and their projection
+    # [embedding; state] (2·D) → D. Its embedding and head are the model's.
+    "enorm.scale": _norm(lambda m: m.d_model, "enorm.weight", where="mtp_layers"),
+    "hnorm.scale": _norm(lambda m: m.d_model, "hnorm.weight", where="mtp_layers"),
+    "eh_proj": _matrix(lambda m: (2 * m.d_model, m.d_model), ("mtp_concat", "embed"),
+                       "eh_proj.weight", 1, 1, where="mtp_layers"),
     # --- attention (MLA: low-rank q and kv, decoupled RoPE key shared by the heads)
     "attention.w_q_a": _matrix(lambda m: (m.d_model, m.q_lora_rank), ("embed", "q_lora"),
                                "self_attn.q_a_proj.weight", 1, 1),
@@ -165,6 +175,7 @@ ROWS: dict[str, Param] = {
     "moe.w_down": _matrix(lambda m: (m.n_routed_experts, m.expert_ffn_dim, m.d_model),
                           ("experts", "expert_mlp", "expert_embed"),
                           "mlp.experts.{expert}.down_proj.weight", 1, 1, "moe_layers", "expert"),
+    "head_norm.scale": _norm(lambda m: m.d_model, "shared_head.norm.weight", where="mtp_layers"),
     # --- the model's head
     "final_norm.scale": _norm(lambda m: m.d_model, "model.norm.weight", where="model"),
     "lm_head": Param(shape=lambda m: (m.d_model, m.padded_vocab_size), axes=("embed", "vocab"),
@@ -175,8 +186,9 @@ ROWS: dict[str, Param] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RouterBias:
-    """The aux-loss-free balancing bias `[L_moe, E]`: train state, not a parameter (no
-    gradient), but read by the router and exported beside its gate."""
+    """The aux-loss-free balancing bias `[L_moe + K, E]` (the MoE layers, then the K MTP
+    modules' blocks): train state, not a parameter (no gradient), but read by the router
+    and exported beside its gate."""
 
     key: str = "router_bias_LE"  # in the train state and its checkpoint
     precision: Precision = ROUTING
@@ -184,7 +196,7 @@ class RouterBias:
 
     @staticmethod
     def shape(m: ModelConfig) -> tuple[int, int]:
-        return (m.n_moe_layers, m.n_routed_experts)
+        return (m.n_moe_layers + m.mtp_layers, m.n_routed_experts)
 
 
 ROUTER_BIAS = RouterBias()
@@ -237,9 +249,22 @@ def row_of_path(path) -> Param:
 
 
 def layer_count(p: Param, m: ModelConfig) -> int:
-    """How many copies of the row the model holds (1 for the model's own parameters)."""
+    """How many copies of the row the main model holds (1 for the model's own parameters;
+    the MTP modules' are `mtp_count`)."""
     return {"model": 1, "every_layer": m.n_layers, "dense_layers": m.n_dense_layers,
-            "moe_layers": m.n_moe_layers}[p.where]
+            "moe_layers": m.n_moe_layers, "mtp_layers": 0}[p.where]
+
+
+def mtp_count(p: Param, m: ModelConfig) -> int:
+    """How many copies of the row the MTP modules hold (each is a MoE block and its own)."""
+    return m.mtp_layers if stack_holds("mtp_layers", p) else 0
+
+
+def stack_holds(stack: str, p: Param) -> bool:
+    """Whether the layers of `stack` (one of STACKS) hold the row."""
+    return p.where in {"dense_layers": ("every_layer", "dense_layers"),
+                       "moe_layers": ("every_layer", "moe_layers"),
+                       "mtp_layers": ("every_layer", "moe_layers", "mtp_layers")}[stack]
 
 
 def model_shapes(abstract_params: Any, m: ModelConfig) -> Any:

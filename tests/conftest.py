@@ -120,3 +120,45 @@ def split_padding(padded, shape):
     rest = np.ones(padded.shape, bool)
     rest[used] = False
     return padded[used], padded[rest]
+
+
+def saved_state(run_dir, step=None):
+    """Leaf key → array of a checkpoint (the last one by default)."""
+    from europa_jax.run import checkpoint
+
+    step = step if step is not None else checkpoint.committed_steps(run_dir)[-1]
+    step_dir = checkpoint.checkpoint_dir(run_dir) / str(step)
+    keys = checkpoint.read_meta(step_dir)["fingerprint"]
+    return {k: checkpoint.open_saved_array(step_dir, k).read().result()
+            for k in keys if k.startswith("params.") or k == "router_bias_LE"}
+
+
+def nested_params(state):
+    """A checkpoint's `params.*` leaves (saved_state) as the model's nested tree."""
+    import jax.numpy as jnp
+
+    params = {}
+    for key, value in state.items():
+        if key.startswith("params."):
+            *parents, leaf = key.split(".")[1:]
+            node = params
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = jnp.asarray(value)
+    return params
+
+
+def rows_with_documents(cfg):
+    """Packed rows from the real pipeline: one holding a single document, two holding several."""
+    import numpy as np
+
+    from europa_jax.run import loop
+
+    single, several = [], []
+    for batch in loop.host_batch_iterator(cfg):
+        for b in range(batch["tokens"].shape[0]):
+            n_docs = len(np.unique(batch["segment_ids"][b]))
+            (several if n_docs > 1 else single).append({k: v[b] for k, v in batch.items()})
+        if single and len(several) >= 2:
+            rows = single[:1] + several[:2]
+            return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

@@ -12,7 +12,7 @@ def load(tmp_path, *overrides, base="tiny-cpu.yaml"):
 
 
 @pytest.mark.parametrize("name", ["tiny-cpu.yaml", "small-cpu.yaml", "europa-952b.yaml",
-                                  "kimi-k2.yaml"])
+                                  "kimi-k2.yaml", "deepseek-v3.yaml"])
 def test_shipped_configs_load(name):
     assert load_config(config_path(name)).model.n_layers > 0
 

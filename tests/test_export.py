@@ -21,8 +21,8 @@ from europa_jax.config_loader import load_config
 from europa_jax.interop import hf_import
 from europa_jax.interop.export import export
 from europa_jax.model.transformer import Transformer
-from europa_jax.run import checkpoint, exit_codes, loop
-from conftest import REPO, config_path, split_padding
+from europa_jax.run import checkpoint, exit_codes
+from conftest import REPO, config_path, nested_params, rows_with_documents, saved_state, split_padding
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.
 TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0", "data.max_documents=40",
@@ -49,39 +49,6 @@ def exported_fp32(trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "fp32"
     export(run_dir, out, dtype="fp32", max_shard_bytes=400_000)
     return out
-
-
-def saved_state(run_dir, step=None):
-    """Leaf key → array of a checkpoint (the last one by default)."""
-    step = step if step is not None else checkpoint.committed_steps(run_dir)[-1]
-    step_dir = checkpoint.checkpoint_dir(run_dir) / str(step)
-    keys = checkpoint.read_meta(step_dir)["fingerprint"]
-    return {k: checkpoint.open_saved_array(step_dir, k).read().result()
-            for k in keys if k.startswith("params.") or k == "router_bias_LE"}
-
-
-def nested_params(state):
-    params = {}
-    for key, value in state.items():
-        if key.startswith("params."):
-            *parents, leaf = key.split(".")[1:]
-            node = params
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = jnp.asarray(value)
-    return params
-
-
-def rows_with_documents(cfg):
-    """Packed rows from the real pipeline: one holding a single document, two holding several."""
-    single, several = [], []
-    for batch in loop.host_batch_iterator(cfg):
-        for b in range(batch["tokens"].shape[0]):
-            n_docs = len(np.unique(batch["segment_ids"][b]))
-            (several if n_docs > 1 else single).append({k: v[b] for k, v in batch.items()})
-        if single and len(several) >= 2:
-            rows = single[:1] + several[:2]
-            return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def test_exported_model_matches_transformers_logits_per_document(trained, exported_fp32):

@@ -18,15 +18,20 @@ from europa_jax.run import checkpoint
 from europa_jax.train import optim, train
 from conftest import config_path
 
-CONFIGS = ["tiny-cpu.yaml", "small-cpu.yaml", "europa-952b.yaml", "kimi-k2.yaml"]
+CONFIGS = ["tiny-cpu.yaml", "small-cpu.yaml", "europa-952b.yaml", "kimi-k2.yaml",
+           "deepseek-v3.yaml"]
+MTP = ["model.mtp_layers=2"]  # two multi-token prediction modules (model/mtp.py)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_every_parameter_of_the_model_has_its_row_and_the_row_its_shape(name):
+@pytest.mark.parametrize("name,overrides", [(name, []) for name in CONFIGS]
+                         + [("tiny-cpu.yaml", MTP), ("kimi-k2.yaml", MTP),
+                            ("tiny-cpu.yaml", MTP + ["model.scan_layers=false"])])
+def test_every_parameter_of_the_model_has_its_row_and_the_row_its_shape(name, overrides):
     """The model's own tree (eval_shape of its init) against the table: each leaf's row,
-    stacked over exactly the layers its `where` says, in the stored shape of its declared
-    shape; and no row with parameters that the model does not create."""
-    cfg = load_config(config_path(name))
+    stacked over exactly the layers its `where` says (the MTP modules' blocks hold the
+    MoE blocks' rows and their own), in the stored shape of its declared shape; and no row
+    with parameters that the model does not create."""
+    cfg = load_config(config_path(name), overrides)
     m = cfg.model
     unsharded = layout.for_mesh(m)
     seen = {}
@@ -35,24 +40,23 @@ def test_every_parameter_of_the_model_has_its_row_and_the_row_its_shape(name):
         row = param_table.row(role)
         lead = leaf.shape[:len(leaf.shape) - len(row.axes)]
         assert tuple(leaf.shape[len(lead):]) == unsharded[role].stored_shape, path
-        expected_where = {None: "model", "dense_layers": "dense_layers",
-                          "moe_layers": "moe_layers"}[stack]
-        if row.where == "every_layer":
-            assert stack is not None, path
+        if stack is None:
+            assert row.where == "model", path
         else:
-            assert row.where == expected_where, path
+            assert param_table.stack_holds(stack, row), path
         seen[role] = seen.get(role, 0) + (lead[0] if lead else 1)
     for role, row in param_table.ROWS.items():
-        if param_table.size(row, m) and param_table.layer_count(row, m):
-            assert seen.get(role) == param_table.layer_count(row, m), role
+        copies = param_table.layer_count(row, m) + param_table.mtp_count(row, m)
+        if param_table.size(row, m) and copies:
+            assert seen.get(role) == copies, role
         else:
             assert role not in seen, role
 
 
 def test_tiny_cpu_holds_every_kind_of_row():
-    """The default config has dense and MoE layers and a shared expert, so the suite's
-    tiny runs exercise every row of the table."""
-    cfg = load_config(config_path("tiny-cpu.yaml"))
+    """The default config has dense and MoE layers and a shared expert, and with an MTP
+    module every row of the table, so the suite's tiny runs exercise them all."""
+    cfg = load_config(config_path("tiny-cpu.yaml"), MTP)
     roles = {param_table.split_path(path)[1] for path, _ in
              jax.tree_util.tree_flatten_with_path(train.abstract_params(cfg))[0]}
     assert roles == set(param_table.ROWS)

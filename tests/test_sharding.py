@@ -28,7 +28,8 @@ def boxed_leaves(cfg):
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "europa-952b.yaml", "kimi-k2.yaml"])
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "europa-952b.yaml", "kimi-k2.yaml",
+                                  "deepseek-v3.yaml"])
 def test_the_layout_is_the_rules_applied_to_each_stored_parameter(name):
     """layout.py resolves each role once per mesh; for every leaf, stacked or not, that is
     what the rules give its logical names and stored shape."""
@@ -44,7 +45,7 @@ def mesh_size(entry):
     return math.prod(MESH_96x4[a] for a in axes)
 
 
-@pytest.mark.parametrize("name", ["europa-952b.yaml", "kimi-k2.yaml"])
+@pytest.mark.parametrize("name", ["europa-952b.yaml", "kimi-k2.yaml", "deepseek-v3.yaml"])
 def test_every_parameter_divides_the_384_gpu_mesh(name):
     cfg = load_config(config_path(name))
     total = replicated_bytes = 0

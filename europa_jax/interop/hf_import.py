@@ -118,17 +118,21 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor], n_layers: int) -> None:
+def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor],
+                  first_unused_layer: int) -> None:
     """The whole index against the files and the config before anything is read: every
     tensor the config implies listed, in its file, with its shape and a float dtype; every
-    tensor of the files listed and implied. Raises `WeightsError` naming each problem."""
+    tensor of the files listed and implied (but MTP modules past the config's, layers
+    `first_unused_layer` …, which are left out). Raises `WeightsError` naming each problem."""
     if any(name.endswith("_scale_inv") for name in weights.weight_map):
         raise ConfigError(f"{weights.dir}: FP8 block-quantized weights (*.weight_scale_inv) are "
                           "not supported; convert them to bf16 first")
     problems = list(weights.problems)
     expected = {t.name: t for t in plan}
-    # DeepSeek-V3 ships its multi-token-prediction module as layer `num_hidden_layers`.
-    mtp = re.compile(rf"model\.layers\.({'|'.join(str(i) for i in range(n_layers, n_layers + 8))})\.")
+    # DeepSeek-V3 ships its multi-token-prediction module as layer `num_hidden_layers`;
+    # a config with fewer MTP modules (model.mtp_layers) leaves the rest out.
+    unused = range(first_unused_layer, first_unused_layer + 8)
+    mtp = re.compile(rf"model\.layers\.({'|'.join(str(i) for i in unused)})\.")
     for name in sorted(set(expected) - set(weights.weight_map)):
         problems.append(f"{weights.listing}: {name} is missing (the config implies it)")
     for name, filename in sorted(weights.weight_map.items()):
@@ -251,7 +255,7 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
                   {"params": trainer.abstract_params,
                    param_table.ROUTER_BIAS.key: trainer.abstract_state.router_bias_LE})[0]}
     plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()}))
-    check_weights(weights, plan, cfg.model.n_layers)
+    check_weights(weights, plan, cfg.model.n_layers + cfg.model.mtp_layers)
     # No `train` may start in the run directory while the import fills it (its commit
     # replaces the directory), nor may the import replace a run that is going.
     with run_lock.hold(run_dir, "import"):
@@ -263,7 +267,8 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
         try:
             by_key: dict[str, dict] = {}
             for t in plan:
-                by_key.setdefault(t.source.key, {})[t.source.index] = t
+                if not t.mirror:  # the MTP modules' copies of the embedding and head
+                    by_key.setdefault(t.source.key, {})[t.source.index] = t
             arrays = {key: _leaf_array(key, leaf, leaf.sharding, by_key[key], weights)
                       for key, leaf in leaves.items()}
             params = jax.tree.unflatten(jax.tree.structure(trainer.abstract_params),

@@ -44,6 +44,9 @@ class HFTensor:
     shape: tuple[int, ...]
     source: Source
     float32: bool = False  # written as float32 whatever the export dtype (the router)
+    # a copy of another tensor of the file (an MTP module's embedding and head, which are
+    # the model's own): written on export, not read back on import
+    mirror: bool = False
 
 
 def to_hf(x: np.ndarray, source: Source, vocab_size: int) -> np.ndarray:
@@ -79,10 +82,15 @@ def hf_shape(our_shape: tuple[int, ...], source: Source, vocab_size: int) -> tup
 
 
 def block_key(cfg: ModelConfig, layer: int, role: str) -> tuple[str, tuple[int, ...]]:
-    """Leaf key and leading index of HF layer `layer`'s `role` (scanned or unrolled stacks)."""
-    dense_stack, moe_stack = param_table.STACKS
-    moe = layer >= cfg.n_dense_layers
-    stack, i = (moe_stack, layer - cfg.n_dense_layers) if moe else (dense_stack, layer)
+    """Leaf key and leading index of HF layer `layer`'s `role` (scanned or unrolled stacks);
+    layers `n_layers` … are the MTP modules, as DeepSeek-V3's release numbers them."""
+    dense_stack, moe_stack, mtp_stack = param_table.STACKS
+    if layer >= cfg.n_layers:
+        stack, i = mtp_stack, layer - cfg.n_layers
+    elif layer >= cfg.n_dense_layers:
+        stack, i = moe_stack, layer - cfg.n_dense_layers
+    else:
+        stack, i = dense_stack, layer
     key, index = param_table.stack_key(stack, i, cfg.scan_layers)
     return f"params.{key}.{role}", index
 
@@ -97,7 +105,9 @@ def state_shapes(abstract_params, cfg: ModelConfig) -> dict[str, tuple[int, ...]
 
 
 def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterator[HFTensor]:
-    """Every HF tensor in file order: embedding, layer 0 … L-1, final norm, LM head.
+    """Every HF tensor in file order: embedding, layer 0 … L-1, the MTP modules as layers
+    L … L+K-1 (with copies of the embedding and head, `mirror`, as DeepSeek-V3 ships them
+    and vLLM's `deepseek_mtp` reads them), final norm, LM head.
 
     `our_shapes` maps the leaf keys of our train state (its parameters and the router
     bias) to their stored shapes, so the plan (names, shapes, bytes, files) is known
@@ -106,13 +116,13 @@ def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterato
     """
     v = cfg.vocab_size
 
-    def make(name, key, index, hf: param_table.HF, model_shape, precision):
+    def make(name, key, index, hf: param_table.HF, model_shape, precision, mirror=False):
         per_item = tuple(our_shapes[key][len(index):])
         model_shape = tuple(model_shape)
         source = Source(key, index, hf.n_in, hf.kind,
                         model_shape if model_shape != per_item else None)
         return HFTensor(name, hf_shape(model_shape, dataclasses.replace(source, shape=None), v),
-                        source, precision.float32_export)
+                        source, precision.float32_export, mirror)
 
     rows = list(param_table.ROWS.items())  # in file order
     first_block = next(i for i, (_, p) in enumerate(rows) if p.where != "model")
@@ -122,7 +132,7 @@ def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterato
     for role, p in head:
         yield make(p.hf.name, f"params.{role}", (), p.hf, p.shape(cfg), p.precision)
     bias = param_table.ROUTER_BIAS
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_layers + cfg.mtp_layers):
         prefix = f"model.layers.{layer}."
         present = [(role, p) + block_key(cfg, layer, role) for role, p in block]
         present = [(role, p, key, index) for role, p, key, index in present if key in our_shapes]
@@ -137,6 +147,12 @@ def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterato
                     if p.hf.kind == "expert":
                         yield make(prefix + p.hf.name.format(expert=expert), key,
                                    index + (expert,), p.hf, p.shape(cfg)[1:], p.precision)
+        if layer >= cfg.n_layers:  # an MTP module: the shared embedding and head, again
+            for role, name in (("embedding", "embed_tokens.weight"),
+                               ("lm_head", "shared_head.head.weight")):
+                p = param_table.row(role)
+                yield make(prefix + name, f"params.{role}", (), p.hf, p.shape(cfg),
+                           p.precision, mirror=True)
     for role, p in tail:
         yield make(p.hf.name, f"params.{role}", (), p.hf, p.shape(cfg), p.precision)
 
@@ -168,7 +184,7 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_token_id: int | None) -> dict:
     out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
            **{hf: getattr(cfg, ours) for hf, ours in SAME_VALUE.items()}, **FIXED,
            "num_key_value_heads": cfg.n_heads, "topk_method": "noaux_tc",
-           "num_nextn_predict_layers": 0, "attention_dropout": 0.0,
+           "num_nextn_predict_layers": cfg.mtp_layers, "attention_dropout": 0.0,
            "initializer_range": cfg.init_std, "torch_dtype": dtype, "use_cache": True,
            "bos_token_id": None, "eos_token_id": eos_token_id}
     # The form DeepSeek-V3's own config.json uses (`rope_scaling` + top-level `rope_theta`):
@@ -196,6 +212,10 @@ def check_hf_config(hf: dict, cfg: ModelConfig, where: str) -> None:
     for key, value in FIXED.items():
         if key in hf and hf[key] != value:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (expected {value!r})")
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    if cfg.mtp_layers > mtp:
+        raise ConfigError(f"{where}: num_nextn_predict_layers={mtp} but the config has "
+                          f"model.mtp_layers={cfg.mtp_layers} (more MTP modules than it holds)")
     heads = hf.get("num_key_value_heads", cfg.n_heads)
     if heads != cfg.n_heads:
         raise ConfigError(f"{where}: num_key_value_heads={heads} must equal num_attention_heads")

@@ -42,6 +42,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),  # scanned layer axis: every device holds its slice of every layer
     "vocab": ("data", "expert"),
     "embed": ("data", "expert"),
+    "mtp_concat": ("data", "expert"),  # an MTP module's [embedding; state] input (2·D)
     "mlp": ("data", "expert"),
     "q_lora": ("data", "expert"),
     "kv_lora": ("data", "expert"),

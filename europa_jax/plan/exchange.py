@@ -33,7 +33,7 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
     destinations = moe_dispatch.expected_destinations(m, ep)
     # rows out and back in one forward and one backward, at the wire dtype (a forward
     # that remat runs again sends its rows again: the compiled count has it, not this)
-    routed = (4 * m.n_moe_layers * tokens * destinations * m.d_model
+    routed = (4 * (m.n_moe_layers + m.mtp_layers) * tokens * destinations * m.d_model
               * WIRE_BYTES[cfg.comm.expert_exchange_dtype])
     nodes, g = cfg.mesh.expert_nodes, cfg.mesh.node_group
     per_node = two_stage_nodes(cfg)  # the GPU exchange of a two-stage dispatch: its 2nd

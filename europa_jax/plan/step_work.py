@@ -86,7 +86,7 @@ def from_config(cfg: Config, attention: dict[str, Any], rows: list[dict], *,
     m = cfg.model
     passes = forward_passes(cfg, None)
     matmul_passes = passes + 2  # forward (again under remat), input and weight gradients
-    routed = 3 * m.top_k * m.d_model * m.expert_ffn_dim * m.n_moe_layers
+    routed = 3 * m.top_k * m.d_model * m.expert_ffn_dim * (m.n_moe_layers + m.mtp_layers)
     dense = model_flops.matmul_params_per_token(m) - routed
     grouped = ("routed experts (analytic)", routed_rows_per_expert(cfg),
                2.0 * routed * tokens_per_device * matmul_passes, 0.0)

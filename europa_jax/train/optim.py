@@ -99,8 +99,9 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None
 
 
 def muon_fraction(cfg: ModelConfig) -> float:
-    """Share of the model's parameters (by count, without storage padding) that Muon updates."""
-    count = lambda rows: sum(param_table.layer_count(p, cfg) * param_table.size(p, cfg)
-                             for p in rows)
+    """Share of the model's parameters (by count, without storage padding, the MTP
+    modules' included) that Muon updates."""
+    count = lambda rows: sum((param_table.layer_count(p, cfg) + param_table.mtp_count(p, cfg))
+                             * param_table.size(p, cfg) for p in rows)
     rows = param_table.ROWS.values()
     return count(p for p in rows if p.optimizer == "muon") / count(rows)

@@ -55,10 +55,12 @@ def head_factors(logit_max_LH: jax.Array, threshold: float) -> tuple[jax.Array, 
 
 
 def layer_stacks(cfg: ModelConfig) -> list[tuple[str, slice | int]]:
-    """(parameter key, its layers in the [L, ...] stats): the scanned stacks hold a slice
-    of the layers on a leading axis, unrolled layers one each."""
+    """(parameter key, its layers in the [L, ...] stats: dense, MoE, then the MTP modules'
+    blocks): the scanned stacks hold a slice of the layers on a leading axis, unrolled
+    layers one each."""
     out, first = [], 0
-    for stack, n in zip(param_table.STACKS, (cfg.n_dense_layers, cfg.n_moe_layers)):
+    for stack, n in zip(param_table.STACKS,
+                        (cfg.n_dense_layers, cfg.n_moe_layers, cfg.mtp_layers)):
         if cfg.scan_layers and n:
             out.append((stack, slice(first, first + n)))
         elif not cfg.scan_layers:

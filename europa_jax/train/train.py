@@ -30,6 +30,7 @@ from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import comm, layout, offload, sharding
 from europa_jax.parallel.layout import Layout
 from europa_jax.train import optim, qk_clip
+from europa_jax.train.objective import loss_and_stats, loss_denominators, target_weights
 
 Batch = dict[str, jax.Array]
 
@@ -68,9 +69,9 @@ class Trainer:
         Inside, every device holds its batch rows and parameter shards; the model gathers
         each weight where it is used and exchanges MoE tokens itself (comm.py), so all
         communication of the forward and backward pass is explicit in the lowered HLO.
-        `denominators` [targets, rows]: divide the summed token loss and sequence balance
-        by these instead of this batch's own counts (a microbatch's share of the global
-        batch's means: `gradients`); 0 = the batch's own.
+        `denominators` (`loss_denominators`): divide the summed losses by these instead of
+        this batch's own counts (a microbatch's share of the global batch's means:
+        `gradients`); 0 = the batch's own.
         """
         batch_spec = self.batch_sharding.spec
         body = functools.partial(_loss_in_context, self.spmd, self.model)
@@ -78,8 +79,8 @@ class Trainer:
             body, mesh=self.mesh,
             in_specs=(self.param_specs, P(), {k: batch_spec for k in batch}, P()),
             out_specs=(P(), P()), check_vma=False)
-        if denominators is None:
-            denominators = jnp.zeros((2,), jnp.float32)  # 0: this batch's own counts
+        if denominators is None:  # 0: this batch's own counts
+            denominators = jnp.zeros((2 + self.cfg.model.mtp_layers,), jnp.float32)
         return sharded(comm.cast_for_entry(params, self.spmd), router_bias_LE, batch,
                        denominators)
 
@@ -216,44 +217,6 @@ def _loss_in_context(ctx: comm.SpmdContext, model: Transformer, params, router_b
         return loss_and_stats(model, params, router_bias_LE, batch, denominators)
 
 
-def loss_and_stats(model: Transformer, params, router_bias_LE, batch: Batch,
-                   denominators=(0.0, 0.0)):
-    """The training objective: the mean next-token cross entropy over tokens whose
-    successor is in the same document (`stats["lm_loss"]`, the `loss` a run logs), plus,
-    with `model.seq_aux_loss_weight` α > 0, α × the sequence-wise balance summed over MoE
-    layers and averaged over the batch's sequences (`stats["seq_aux_loss"]`, moe.py).
-
-    Sums are taken over every device under SPMD (comm.psum_all), so the means are global;
-    so is the attention logit max (a max over every device, for QK-clip). Positive
-    `denominators` [targets, rows] replace the batch's own counts (a microbatch's share).
-    """
-    tokens_BS = batch["tokens"]
-    targets_BS = jnp.roll(tokens_BS, -1, axis=1)
-    weight_BS = target_weights(batch["segment_ids"])
-    nll_BS, stats = model.apply({"params": params}, tokens_BS, batch["segment_ids"],
-                                batch["positions"], router_bias_LE, targets_BS)
-    total = comm.psum_all(jnp.stack([jnp.sum(nll_BS * weight_BS), weight_BS.sum()]))
-    stats["attention_logit_max_LH"] = qk_clip.global_max(stats["attention_logit_max_LH"])
-    denominators = jnp.asarray(denominators, jnp.float32)
-    count = jnp.where(denominators[0] > 0, denominators[0], total[1])
-    stats["lm_loss"] = loss = total[0] / jnp.maximum(count, 1.0)
-    if model.cfg.seq_aux_loss_weight > 0:
-        # per MoE layer, the same rows in each: sum the layers' balances, count rows once
-        balance = comm.psum_all(jnp.stack([stats.pop("seq_balance_sum").sum(),
-                                           stats.pop("seq_balance_rows")[0]]))
-        rows = jnp.where(denominators[1] > 0, denominators[1], balance[1])
-        stats["seq_aux_loss"] = model.cfg.seq_aux_loss_weight * balance[0] / jnp.maximum(
-            rows, 1.0)
-        loss = loss + stats["seq_aux_loss"]
-    return loss, stats
-
-
-def target_weights(segments_BS: jax.Array) -> jax.Array:
-    """1.0 where a token's successor is in the same document (a next-token target), else 0."""
-    same_doc_BS = (jnp.roll(segments_BS, -1, axis=1) == segments_BS) & (segments_BS > 0)
-    return same_doc_BS.at[:, -1].set(False).astype(jnp.float32)
-
-
 def eval_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     """(mean next-token loss, number of targets) of a batch: the training forward, no update."""
     params = offload.to_device(state.params, trainer.state_shardings.params)
@@ -306,9 +269,7 @@ def gradients(trainer: Trainer, params, router_bias_LE, batch: Batch):
     m = trainer.cfg.train.microbatches
     if m == 1:
         return grad_fn(params, router_bias_LE, batch)
-    segments_BS = batch["segment_ids"]
-    denominators = jnp.maximum(jnp.stack([target_weights(segments_BS).sum(),
-                                          (segments_BS > 0).any(axis=1).sum()]), 1.0)
+    denominators = loss_denominators(trainer.cfg.model, batch["segment_ids"])
     pieces = microbatches(trainer, batch)
     first = jax.tree.map(lambda x: x[0], pieces)
     _, stats_shape = jax.eval_shape(trainer.loss, params, router_bias_LE, first, denominators)
@@ -379,8 +340,9 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         "attention_logit_max_per_layer": logit_max_LH.max(axis=-1),
         "qk_clip_heads_clipped": heads_clipped,
     }
-    if "seq_aux_loss" in stats:
-        metrics["seq_aux_loss"] = stats["seq_aux_loss"]
+    for extra in ("seq_aux_loss", "mtp_loss"):  # in the objective when configured
+        if extra in stats:
+            metrics[extra] = stats[extra]
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            router_bias_LE=router_bias_LE)
     return revert_if_nonfinite(finite, new_state, state), metrics

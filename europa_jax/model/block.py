@@ -1,0 +1,65 @@
+"""The decoder block: x + attention(norm(x)), then + MLP or MoE(norm(·)).
+
+Its layers are built by `block_layers` into whichever module calls it, so a multi-token
+prediction module (mtp.py) holds the same parameters under the same roles as a decoder
+block (`attention.w_q_b`, `moe.w_gate`, …) next to its own.
+
+Shape suffixes: the project's legend (europa_jax/__init__.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from europa_jax.config import ModelConfig
+from europa_jax.model.attention import MLAttention
+from europa_jax.model.layers import RMSNorm, SwiGLU
+from europa_jax.model.moe import MoE
+
+
+def block_layers(cfg: ModelConfig, is_moe: bool, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
+                 router_bias_E, tokens_BS):
+    """A pre-norm block's layers, created in the module whose compact method calls this.
+
+    Returns the new residual stream and the layer's stats: each head's largest attention
+    logit on this device (`attention_logit_max_H`, for QK-clip) and, in MoE blocks, the
+    MoE's counts (moe.py). `segment_ids_BS` are attention's (the node's rows under context
+    parallelism); `tokens_BS` marks this device's own real tokens (the MoE's sequence
+    balance).
+    """
+    x_BSD = checkpoint_name(x_BSD, "layer_input")
+    attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
+        RMSNorm(cfg, name="attention_norm")(x_BSD), segment_ids_BS, cos_BSP2, sin_BSP2)
+    h_BSD = x_BSD + attn_BSD
+    mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_BSD)
+    if is_moe:
+        mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E, tokens_BS)
+    else:
+        mlp_out_BSD, stats = SwiGLU(cfg, name="mlp")(mlp_in_BSD), {}
+    return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
+
+
+class DecoderBlock(nn.Module):
+    """One decoder layer (`block_layers`): dense MLP or MoE."""
+
+    ROLE_ROOT = True  # parameter roles are paths inside a block (param_table.py)
+    cfg: ModelConfig
+    is_moe: bool
+
+    @nn.compact
+    def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E, tokens_BS):
+        return block_layers(self.cfg, self.is_moe, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
+                            router_bias_E, tokens_BS)
+
+
+def under_policy(block_cls: type[nn.Module], cfg: ModelConfig, policy: Callable | None):
+    """A block class under the activation policy: offload.py's if given, else model.remat."""
+    if policy is None and cfg.remat == "full":  # recompute all; keep only block inputs
+        policy = jax.checkpoint_policies.nothing_saveable
+    if policy is None:
+        return block_cls
+    return nn.remat(block_cls, policy=policy, prevent_cse=not cfg.scan_layers)
