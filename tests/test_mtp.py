@@ -379,3 +379,23 @@ def test_deepseek_v3_counts_671b_and_with_its_mtp_module_685b():
 def test_config_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(config_path("tiny-cpu.yaml"), overrides)
+
+
+def test_the_plan_compiles_and_prices_the_module(tiny_cfg):
+    """`plan` sizes the step with the module from the compiled program (its memory, its
+    matmuls) and prices its attention like a layer's."""
+    from test_plan import plan_json, TEST_SIZE
+
+    without, with_mtp = (plan_json("tiny-cpu.yaml", {**TEST_SIZE, "model.mtp_layers": k})
+                         for k in (0, 1))
+    m = dataclasses.replace(tiny_cfg.model, mtp_layers=1)
+    matmul_KP = [6.0 * flops.matmul_params_per_token(dataclasses.replace(m, mtp_layers=k))
+                 * without["tokens_per_device"] for k in (0, 1)]
+    attention_per_layer = (without["flops"]["model"] - matmul_KP[0]) / m.n_layers
+    np.testing.assert_allclose(with_mtp["flops"]["model"],
+                               matmul_KP[1] + (m.n_layers + 1) * attention_per_layer, rtol=1e-6)
+    attention = [r["flops"]["by_class"]["attention_forward"] for r in (without, with_mtp)]
+    np.testing.assert_allclose(attention[1] / attention[0], (m.n_layers + 1) / m.n_layers)
+    assert with_mtp["flops"]["hlo_matmul_loss"] > 1.1 * without["flops"]["hlo_matmul_loss"]
+    assert with_mtp["memory"]["step"]["xla_cpu"]["temp"] > without["memory"]["step"]["xla_cpu"][
+        "temp"]

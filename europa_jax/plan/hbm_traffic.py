@@ -141,6 +141,7 @@ def kernel_bytes(mod: _Module, launch) -> KernelBytes:
 # Parts of the step by jax op name: the first whose marker the name contains. Kernels
 # XLA adds itself (layout copies, loop-state copies) carry no name: "unnamed".
 REGIONS = (("moe", "/moe/"), ("attention", "/attention/"), ("dense MLP", "/mlp/"),
+           ("MTP modules (norms, projection, their head)", "mtp_layers/"),
            ("layers (norms, residuals)", "_stack/"), ("loss and LM head", "shard_map/"),
            ("optimizer update", "jit("))
 

@@ -30,6 +30,11 @@ def _links(rows: list[dict]) -> dict[str, float]:
             "infiniband_bytes": sum(r["infiniband_bytes"] for r in rows)}
 
 
+def attention_layers(m) -> int:
+    """Layers with attention: the decoder's and the MTP modules' blocks."""
+    return m.n_layers + m.mtp_layers
+
+
 def _attention(cfg: Config, attention: dict[str, Any], passes: float, pairs: str
                ) -> dict[str, float]:
     """Forward and backward FLOPs of the kernels' pairs (`pairs`: expected, p95 or
@@ -37,7 +42,7 @@ def _attention(cfg: Config, attention: dict[str, Any], passes: float, pairs: str
     m = cfg.model
     run = attention["kernel_pairs_per_gpu"]
     one = lambda p: attention_flops(p, heads=m.n_heads, d_qk=m.qk_head_dim, d_v=m.v_head_dim,
-                                    layers=m.n_layers)
+                                    layers=attention_layers(m))
     return {"attention_forward_flops": passes * one(run["forward"][pairs]),
             "attention_backward_flops": BACKWARD_PER_FORWARD * one(run["backward"][pairs])}
 
@@ -46,7 +51,8 @@ def forward_passes(cfg: Config, classes: dict | None) -> float:
     """How many times a layer's attention forward runs per step: the program's forward
     kernel calls per layer, or 2 under full remat (the backward recomputes it)."""
     if classes and classes["attention_forward"]["runs"]:
-        return max(1.0, round(classes["attention_forward"]["runs"] / cfg.model.n_layers))
+        return max(1.0, round(classes["attention_forward"]["runs"]
+                              / attention_layers(cfg.model)))
     return 2.0 if cfg.model.remat == "full" else 1.0
 
 
