@@ -1,4 +1,4 @@
-"""`europa-jax train|prepare|export|import|count|plan|report|sample`: the command line.
+"""`europa-jax train|prepare|export|import|count|plan|report|sample|eval`: the command line.
 
 jax is imported only after the config is read, because the number of CPU devices must be
 fixed before jax creates its backends.
@@ -119,6 +119,23 @@ def _parser() -> argparse.ArgumentParser:
                         "longer points to it")
     sample.add_argument("--json", action="store_true", help="also print one JSON line: text, "
                         "ids, prompt_ids, stop, step")
+
+    evaluate = command("eval", help="lm-eval-harness tasks scored on a run's checkpoint "
+                       "with our model, on the run's mesh")
+    evaluate.add_argument("run_dir")
+    evaluate.add_argument("--tasks", required=True, metavar="A,B",
+                          help="task names: the shipped europa_tiny_choice, europa_tiny_gen, "
+                          "those of --tasks-dir, or lm_eval's own")
+    evaluate.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    evaluate.add_argument("--tasks-dir", help="a directory of lm-eval task YAMLs with local "
+                          "data files (docs/evaluation.md)")
+    evaluate.add_argument("--limit", type=int, help="documents per task (default: all)")
+    evaluate.add_argument("--output", help="also write the JSON result to this file")
+    evaluate.add_argument("--tokenizer", help="the run's tokenizer.json if data.tokenizer no "
+                          "longer points to it")
+    evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="another layout for the forward: mesh.* or "
+                          "train.eval_tasks_seq_len")
 
     report = command("report", help="plots (PNG) and a summary of a run directory; "
                             "works while the run is going")
@@ -263,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             from europa_jax.interop import sample
 
             return sample.run(args)
+        if args.command == "eval":
+            from europa_jax.eval import command
+
+            return command.run(args)
         cfg = load_config(args.config, args.set)
         if args.command == "import":
             from europa_jax.interop.hf_import import import_hf
@@ -322,7 +343,8 @@ def run_training(cfg, run_dir: str | None) -> int:
     from europa_jax.run.save_outcome import SaveFailed
 
     try:
-        records = train(cfg, run_dir)
+        # the tasks are found and loaded before the run directory is touched
+        records = train(cfg, run_dir, tasks=_task_evaluation(cfg))
     except SaveFailed as e:  # a full disk, not the user's input: the last good one is kept
         _error(e)
         return exit_codes.CRASH
@@ -332,7 +354,7 @@ def run_training(cfg, run_dir: str | None) -> int:
     except NonFiniteStop as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE
-    except (CheckpointError, ConfigError) as e:  # e.g. the run directory in use (run_lock)
+    except (CheckpointError, ConfigError, DataError) as e:  # e.g. the run directory in use
         _error(e)
         return exit_codes.BAD_INPUT
     summary = {"steps": cfg.train.steps}
@@ -340,6 +362,15 @@ def run_training(cfg, run_dir: str | None) -> int:
         summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
     print(json.dumps(summary))
     return exit_codes.OK
+
+
+def _task_evaluation(cfg):
+    """`train.eval_tasks` (eval/during_training.py) for the loop, or None."""
+    if not cfg.train.eval_tasks:
+        return None
+    from europa_jax.eval.during_training import TaskEvaluation
+
+    return TaskEvaluation(cfg)
 
 
 if __name__ == "__main__":

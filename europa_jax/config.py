@@ -226,6 +226,17 @@ class TrainConfig:
     # validation documents (data.validation_*): the same batches every time.
     eval_every: int = 0
     eval_batches: int = 2
+    # Downstream evaluation (europa_jax/eval/, docs/evaluation.md): lm-eval-harness tasks
+    # by name, scored every `eval_tasks_every` steps and at the end with the training
+    # forward on the run's mesh. A name is looked up in `eval_tasks_dir`, then the shipped
+    # task directory (europa_jax/eval/tasks), then lm_eval's own registry.
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_every: int = 0
+    eval_tasks_dir: str | None = None
+    eval_tasks_limit: int | None = None  # documents per task (null: all)
+    # Length of the evaluation forward's rows (data.global_batch_size of them): what
+    # bounds its [rows per device, length, vocab] float32 logits. 0: data.seq_len.
+    eval_tasks_seq_len: int = 0
     # A jax.profiler trace of steps [a, b] (1-based, inclusive) into <run_dir>/profile,
     # from process 0 or, with profile_all_processes, from each process.
     profile_steps: tuple[int, ...] = ()
@@ -266,10 +277,38 @@ class TrainConfig:
                               "(or [] for none)")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every: {self.eval_every} must be >= 0 (0: never)")
+        self._check_eval_tasks()
         steps = self.profile_steps
         if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
             raise ConfigError(f"train.profile_steps: {list(steps)} must be [first, last] with "
                               "1 <= first <= last, or [] for none")
+
+    def _check_eval_tasks(self) -> None:
+        """The downstream-evaluation keys agree with each other (whether each task exists
+        is known only with lm_eval's index: europa_jax/eval/task_files.py, at startup)."""
+        tasks = self.eval_tasks
+        bad = [t for t in tasks if not isinstance(t, str) or not t.strip() or "," in t]
+        if bad or len(set(tasks)) != len(tasks):
+            problem = f"{bad[0]!r} is not a task name" if bad else "a name repeated"
+            raise ConfigError(f"train.eval_tasks: {list(tasks)} has {problem}; expected a list "
+                              "of distinct lm-eval task names, or [] for none")
+        if self.eval_tasks_every < 0:
+            raise ConfigError(f"train.eval_tasks_every: {self.eval_tasks_every} must be >= 0 "
+                              "(0: never)")
+        if tasks and not self.eval_tasks_every:
+            raise ConfigError(f"train.eval_tasks: {list(tasks)} but train.eval_tasks_every is 0 "
+                              "(off); set how many steps apart they run, or [] for no tasks")
+        if self.eval_tasks_every and not tasks:
+            raise ConfigError(f"train.eval_tasks_every: {self.eval_tasks_every} but "
+                              "train.eval_tasks is empty; name the tasks to run")
+        if self.eval_tasks_limit is not None and not self.eval_tasks_limit > 0:
+            raise ConfigError(f"train.eval_tasks_limit: {self.eval_tasks_limit} must be "
+                              "positive, or null for every document")
+        if self.eval_tasks_seq_len < 0:
+            raise ConfigError(f"train.eval_tasks_seq_len: {self.eval_tasks_seq_len} must be "
+                              ">= 0 (0: data.seq_len)")
+        if self.eval_tasks_dir is not None and not str(self.eval_tasks_dir).strip():
+            raise ConfigError("train.eval_tasks_dir: '' is not a directory (null for none)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,6 +399,25 @@ class Config:
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "
                               "byte-level stdlib corpus")
+        self._check_eval_rows()
+
+    def _check_eval_rows(self) -> None:
+        """The downstream evaluation's rows [data.global_batch_size, train.eval_tasks_seq_len]
+        must suit the kernels as the training rows do (eval/forward.py)."""
+        m, length = self.model, self.train.eval_tasks_seq_len
+        if not length:
+            return
+        key = f"train.eval_tasks_seq_len: {length}"
+        if length > self.data.seq_len:
+            raise ConfigError(f"{key} > data.seq_len={self.data.seq_len} (the rows are never "
+                              "longer than the training rows)")
+        if length % m.attention_block_size:
+            raise ConfigError(f"{key} is not divisible by model.attention_block_size="
+                              f"{m.attention_block_size}")
+        tokens = self.data.global_batch_size // self.mesh.n_devices * length
+        if 0 < m.moe_chunk_tokens < tokens and tokens % m.moe_chunk_tokens:
+            raise ConfigError(f"{key}: model.moe_chunk_tokens={m.moe_chunk_tokens} does not "
+                              f"divide the {tokens} tokens each device evaluates at once")
 
 
 def check_device_count(mesh: MeshConfig, n_devices: int, source: str = "") -> None:

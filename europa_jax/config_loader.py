@@ -38,6 +38,13 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
         raise ConfigError(f"{path}: {e}") from None
 
 
+def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
+    """`raw` (a config as nested dicts, e.g. a checkpoint's) with `a.b=value` items set."""
+    for item in overrides:
+        _apply_override(raw, item)
+    return raw
+
+
 def _apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.learning_rate=1e-3")

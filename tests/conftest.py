@@ -50,8 +50,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # together instead of one running a slow file alone at the end. Order only: every test runs.
 LONGEST_FILES = ("test_checkpoint.py", "test_gpu_target.py", "test_qk_clip.py", "test_train.py",
                  "test_slurm.py", "test_plan.py", "test_gpu_check.py", "test_gpu_step_classes.py",
-                 "test_sample.py", "test_trackers.py", "test_resilience.py", "test_watch.py",
-                 "test_launch_local.py")
+                 "test_sample.py", "test_downstream_eval.py", "test_trackers.py",
+                 "test_resilience.py", "test_watch.py", "test_launch_local.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,8 +54,14 @@ def make_run(tmp_path, validation: bool = True, per_layer: bool = True, extras: 
            for s, v in ((10, 4.6), (20, 4.2), (30, 4.4))] if validation else []
     # The stale validation at step 30 (before the resume) was better: the later one wins.
     stale_val = [{"step": 30, "val_loss": 1.0, "val_perplexity": 2.7, "val_tokens": 4096}]
-    records = first[:20] + val[:2] + first[20:] + (stale_val if validation else []) + resumed
-    _write_lines(run / "metrics.jsonl", records + val[2:], tail='{"step": 31, "loss": 3.')
+    # train.eval_tasks' records: a task with two metrics and one with a filtered metric
+    tasks = [{"step": s, "eval/tiny_choice/acc": a, "eval/tiny_choice/acc_norm": a + 0.125,
+              "eval/tiny_gen/exact_match/strict": a / 2, "eval_tasks_time_s": 1.5}
+             for s, a in ((10, 0.25), (20, 0.5), (30, 0.625))] if validation else []
+    records = (first[:20] + val[:2] + tasks[:2] + first[20:] + (stale_val if validation else [])
+               + resumed)
+    _write_lines(run / "metrics.jsonl", records + val[2:] + tasks[2:],
+                 tail='{"step": 31, "loss": 3.')
     if extras:
         _write_lines(run / "events.jsonl", [
             {"event": "checkpoint_saving", "step": 10, "reason": "periodic", "time": 1.7e9},
@@ -92,6 +98,9 @@ def test_deduplicates_keeping_the_last_record_per_step(tmp_path):
     assert by_step[21]["compiled"] is True
     assert [(r["step"], r["val_loss"]) for r in run.validation] == [(10, 4.6), (20, 4.2),
                                                                     (30, 4.4)]
+    assert [(r["step"], r["eval/tiny_choice/acc"]) for r in run.tasks] == [
+        (10, 0.25), (20, 0.5), (30, 0.625)]
+    assert all("loss" in r for r in run.train)  # neither kind of evaluation record
     assert len(run.events) == 6 and run.config["data"]["seq_len"] == SEQ_LEN
     # The loss plot draws one point per unique finite step (step 5 is NaN).
     train_line, val_line = _plot_loss(run).axes[0].lines
@@ -119,6 +128,11 @@ def test_summary_fields(tmp_path):
     assert "best val loss: 4.2 (step 20)" in text and "restarts: 1" in text
     assert "checkpoints saved: 10, 20" in text and "tokens seen: 7,680" in text
     assert "checkpoints failed: 30" in text
+    assert s["eval_tasks_step"] == 30 and s["eval_tasks"] == {
+        "tiny_choice/acc": 0.625, "tiny_choice/acc_norm": 0.75, "tiny_gen/exact_match/strict":
+        0.3125}
+    assert ("downstream tasks (step 30): tiny_choice/acc 0.625, tiny_choice/acc_norm 0.75, "
+            "tiny_gen/exact_match/strict 0.3125") in text
 
 
 def test_corrupt_middle_line_names_file_and_line(tmp_path):
@@ -152,7 +166,8 @@ def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     _write_lines(path, records)
     s = write_report(run)
     assert "loss.png" in s["plots"] and "experts.png" in s["plots"]
-    assert s["skipped_plots"] == ["attention_logits.png", "attention_balance.png"]
+    assert s["skipped_plots"] == ["attention_logits.png", "attention_balance.png",
+                                  "eval_tasks.png"]
     assert not (run / "report" / "attention_balance.png").exists()
     experts = imread(run / "report" / "experts.png")
     assert experts.std() > 0.01
@@ -160,4 +175,5 @@ def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     assert (s["restarts"], s["checkpoints_saved"]) == (0, [])
     text = (run / "report" / "summary.txt").read_text()
     assert "tokens seen: n/a" in text and "median MFU: n/a" in text
-    assert "skipped plots (no data): attention_logits.png, attention_balance.png" in text
+    assert ("skipped plots (no data): attention_logits.png, attention_balance.png, "
+            "eval_tasks.png") in text and "downstream tasks: n/a" in text

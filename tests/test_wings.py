@@ -1,8 +1,9 @@
 """The package's wings and their order: no module imports a wing above its own.
 
 core (config, config_model, config_checks, config_loader, param_table) < data, parallel <
-model < train < plan < run < interop < cli. Every import counts, including those inside functions (taken late only
-to keep start-up light). The README's "What is here" table lists every module.
+model < train < plan < run < interop < eval < cli. Every import counts, including those
+inside functions (taken late only to keep start-up light). The README's "What is here"
+table lists every module.
 """
 
 import ast
@@ -14,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "europa_jax"
 CORE = {"config", "config_checks", "config_model", "config_loader", "param_table"}
 RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "run": 5,
-        "interop": 6, "cli": 7}
+        "interop": 6, "eval": 7, "cli": 8}
 
 
 def wing(module: str) -> str:

@@ -17,7 +17,8 @@ _DATE = "%Y-%m-%d %H:%M:%S"
 LEVELS = {"quiet": logging.WARNING, "normal": logging.INFO, "verbose": logging.DEBUG}
 # Libraries that are chatty at INFO (every Orbax save logs a dozen lines): their warnings
 # stay visible, their INFO only with --verbose.
-_LIBRARIES = ("jax", "absl", "orbax", "grain", "etils", "tensorboardX", "matplotlib")
+_LIBRARIES = ("jax", "absl", "orbax", "grain", "etils", "tensorboardX", "matplotlib",
+              "lm_eval", "datasets")
 
 
 class _RankFilter(logging.Filter):

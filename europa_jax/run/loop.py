@@ -2,7 +2,8 @@
 
 Around the step: the run directory's lock (run_lock.py), resume from its checkpoints,
 periodic/final/preemption saves and what a failed one means (checkpoint.py, SaveGuard),
-agreed stop requests (preemption.py), the non-finite policy.
+agreed stop requests (preemption.py), the non-finite policy, validation and the
+downstream tasks (`train.eval_tasks`, given by the caller: europa_jax/eval/).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Protocol
 
 import jax
 import numpy as np
 
-from europa_jax.config import check_device_count, Config
+from europa_jax.config import check_device_count, Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
@@ -53,15 +54,36 @@ def host_batch_iterator(cfg: Config) -> pipeline.BatchIterator:
                                    process_count=jax.process_count())
 
 
-def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
+class PeriodicEvaluation(Protocol):
+    """An evaluation the loop runs after some steps with the live train state: the
+    downstream tasks of `train.eval_tasks` (eval/during_training.py, a wing above this
+    one, hence handed in by the caller). Its record goes to metrics.jsonl and the
+    trackers; `progress` is to be called as its work advances (the hang watchdog)."""
+
+    def due(self, step: int, last_step: int) -> bool: ...
+
+    def evaluate(self, trainer: Trainer, state, step: int,
+                 progress: Callable[[], None]) -> dict: ...
+
+    def line(self, record: dict) -> str: ...
+
+
+def train(cfg: Config, run_dir: str | Path | None = None, *,
+          tasks: PeriodicEvaluation | None = None) -> list[dict]:
     """Run to `cfg.train.steps`, resuming from the run directory's latest valid checkpoint.
 
-    Returns the metrics logged by this invocation (metrics.jsonl holds the whole run).
+    `tasks` runs `train.eval_tasks` (cli.py makes it: eval/during_training.py); a config
+    that names tasks without it is refused. Returns the metrics logged by this
+    invocation (metrics.jsonl holds the whole run).
     Raises `RunDirInUse` when another command holds the run directory, `Preempted` after
     saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite step under
     `checkpoint.nan_policy`, `SaveFailed` on a failed save under `checkpoint.on_save_error`.
     """
     logs.ensure_configured()
+    if cfg.train.eval_tasks and tasks is None:
+        raise ConfigError(f"train.eval_tasks: {list(cfg.train.eval_tasks)} but no task "
+                          "evaluation was given to the loop (europa_jax.eval.during_training."
+                          "TaskEvaluation, as `europa-jax train` makes it)")
     check_device_count(cfg.mesh, jax.device_count())
     is_primary = jax.process_index() == 0
     trackers.check_trackers(cfg.train.trackers, is_primary)  # before the run dir is touched
@@ -69,11 +91,11 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> list[dict]:
     validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
     with run_lock.hold(run_dir, "train"):  # before anything is written there
-        return _train(cfg, run_dir, host_batches, validation)
+        return _train(cfg, run_dir, host_batches, validation, tasks)
 
 
 def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
-           validation: Validation | None) -> list[dict]:
+           validation: Validation | None, tasks: PeriodicEvaluation | None) -> list[dict]:
     is_primary = jax.process_index() == 0
     if is_primary:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -87,14 +109,15 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     clock.listeners.append(watchdog.on_phase)
     with watchdog if cfg.train.hang_watchdog else contextlib.nullcontext():
         try:
-            return _steps(cfg, run_dir, host_batches, validation, events, clock, watchdog)
+            return _steps(cfg, run_dir, host_batches, validation, tasks, events, clock,
+                          watchdog)
         finally:
             clock.close()
 
 
 def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
-           validation: Validation | None, events: EventLog, clock: timeline.Timeline,
-           watchdog: HangWatchdog) -> list[dict]:
+           validation: Validation | None, tasks: PeriodicEvaluation | None, events: EventLog,
+           clock: timeline.Timeline, watchdog: HangWatchdog) -> list[dict]:
     is_primary = jax.process_index() == 0
     mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
@@ -176,6 +199,13 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     metrics_log(record)
                     log.info(f"step {done} val_loss {record['val_loss']:.4f} perplexity "
                              f"{record['val_perplexity']:.2f} ({record['val_tokens']:,} tokens)")
+                # not when preempted: the save must come within the signal's grace time
+                if tasks is not None and not stopping and tasks.due(done, cfg.train.steps):
+                    clock.phase("validation")  # goodput counts it as evaluation time
+                    watchdog.note("downstream tasks")
+                    record = tasks.evaluate(trainer, state, done, progress=watchdog.progress)
+                    metrics_log(record)
+                    log.info(tasks.line(record))
                 saves.check()  # the last save's outcome, once it is known (raises SaveFailed)
                 if stopping or ckpt.due(done):
                     reason = ("preempted" if stopping else

@@ -1,17 +1,19 @@
 """An offline report of a training run directory: PNG plots and a text summary.
 
-Reads `<run_dir>/metrics.jsonl` (training records and `val_*` validation records, as
-loop.py writes them), and, when present, `events.jsonl` (checkpoint, resume, preemption,
-non-finite events), `config.json` and `timeline.jsonl` (the goodput, goodput.py). Writes
-to `<run_dir>/report/` (or `out_dir`): loss.png, lr.png, grad_norm.png, throughput.png,
-experts.png, attention_balance.png — each skipped when the run has none of its data — and
-summary.txt.
+Reads `<run_dir>/metrics.jsonl` (training records, `val_*` validation records and
+`eval/<task>/<metric>` downstream-task records, as loop.py writes them), and, when
+present, `events.jsonl` (checkpoint, resume, preemption, non-finite events), `config.json`
+and `timeline.jsonl` (the goodput, goodput.py). Writes to `<run_dir>/report/` (or
+`out_dir`): loss.png, lr.png, grad_norm.png, throughput.png, experts.png,
+attention_balance.png, eval_tasks.png — each skipped when the run has none of its data —
+and summary.txt.
 
 Plots use matplotlib's `Figure` + Agg canvas directly: no pyplot global state, no display.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -24,6 +26,8 @@ from matplotlib.figure import Figure
 
 from europa_jax.run import goodput
 
+# metrics.jsonl keys of the downstream tasks (europa_jax/eval/harness.py writes them)
+TASK_PREFIX = "eval/"
 # (label, steps, values) of one plotted line; only finite points.
 Line = tuple[str, list[int], list[float]]
 # (y label, lines, log y scale when every value is positive)
@@ -41,6 +45,7 @@ class Run:
     events: list[dict]
     config: dict | None
     goodput: dict | None = None  # goodput.py's breakdown of timeline.jsonl
+    tasks: list[dict] = dataclasses.field(default_factory=list)  # train.eval_tasks' records
 
 
 # ----------------------------------------------------------------------------- reading
@@ -88,7 +93,8 @@ def load_run(run_dir: str | Path) -> Run:
     if not metrics.is_file():
         raise ReportError(f"{metrics}: not found (expected the run's training metrics)")
     records = _read_jsonl(metrics)
-    is_val = [any(k.startswith("val_") for k in r) for r in records]
+    is_task = [any(k.startswith(TASK_PREFIX) for k in r) for r in records]
+    is_val = [any(k.startswith("val_") for k in r) and not t for r, t in zip(records, is_task)]
     events_path, config_path = run_dir / "events.jsonl", run_dir / "config.json"
     config = None
     if config_path.is_file():
@@ -96,11 +102,13 @@ def load_run(run_dir: str | Path) -> Run:
             config = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
             raise ReportError(f"{config_path}: not valid JSON ({e})") from None
-    return Run(train=_last_per_step([r for r, v in zip(records, is_val) if not v]),
-               validation=_last_per_step([r for r, v in zip(records, is_val) if v]),
+    kinds = list(zip(records, is_val, is_task))
+    return Run(train=_last_per_step([r for r, v, t in kinds if not (v or t)]),
+               validation=_last_per_step([r for r, v, _ in kinds if v]),
                events=_read_jsonl(events_path) if events_path.is_file() else [],
                config=config if isinstance(config, dict) else None,
-               goodput=_goodput(run_dir))
+               goodput=_goodput(run_dir),
+               tasks=_last_per_step([r for r, _, t in kinds if t]))
 
 
 def _goodput(run_dir: Path) -> dict | None:
@@ -174,7 +182,10 @@ def _figure(title: str, panels: list[Panel]) -> Figure | None:
 def _plot_loss(run: Run) -> Figure | None:
     train = _line(run.train, "loss", "train loss")
     val = _line(run.validation, "val_loss", "validation loss")
-    fig = _figure("Loss", [("loss", [train if train[1] else val], False)])
+    fig = _figure("Loss", [("loss", [train if train[1] else val], False),
+                           # model.mtp_layers > 0 only: the panel is left out otherwise
+                           ("multi-token prediction loss", [_line(run.train, "mtp_loss")],
+                            False)])
     if train[1] and val[1]:  # validation is sparse: markers, not a line
         fig.axes[0].plot(val[1], val[2], "o", label=val[0])
         fig.axes[0].legend(fontsize="small")
@@ -200,6 +211,26 @@ def _plot_attention_logits(run: Run) -> Figure | None:
         ("heads clipped", [_line(run.train, "qk_clip_heads_clipped")], False)])
 
 
+def _task_scores(record: dict) -> dict[str, float]:
+    """`{"task/metric": value}` of a downstream-task record."""
+    return {k[len(TASK_PREFIX):]: v for k, v in record.items()
+            if k.startswith(TASK_PREFIX) and _num(v) is not None}
+
+
+def _plot_tasks(run: Run) -> Figure | None:
+    """One panel per downstream task, a line per metric, over the steps evaluated."""
+    metrics: dict[str, list[str]] = {}
+    for record in run.tasks:
+        for name in _task_scores(record):
+            task, _, metric = name.partition("/")
+            if metric not in metrics.setdefault(task, []):
+                metrics[task].append(metric)
+    return _figure("Downstream tasks (train.eval_tasks)", [
+        (task if len(names) > 1 else f"{task}\n{names[0]}",
+         [_line(run.tasks, f"{TASK_PREFIX}{task}/{m}", m) for m in names], False)
+        for task, names in metrics.items()])
+
+
 PLOTS: dict[str, Callable[[Run], Figure | None]] = {
     "loss.png": _plot_loss,
     "lr.png": lambda run: _figure("Learning rate", [("lr", [_line(run.train, "lr")], False)]),
@@ -214,6 +245,7 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
         ("attention cost max/mean", [
             _line(run.train, "attention_cost_max_over_mean", "per rank"),
             _line(run.train, "node_attention_cost_max_over_mean", "per node")], False)]),
+    "eval_tasks.png": _plot_tasks,
 }
 
 
@@ -222,7 +254,7 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
 def summarize(run: Run) -> dict:
     """The summary fields of `write_report`, without the plot lists."""
     steps = [r["step"] for r in run.train]
-    losses = _line(run.train, "loss")
+    losses, mtp = _line(run.train, "loss"), _line(run.train, "mtp_loss")
     val = _line(run.validation, "val_loss")
     best = min(zip(val[2], val[1]), default=(None, None))  # ties: the earlier step
     data = (run.config or {}).get("data") or {}
@@ -246,6 +278,7 @@ def summarize(run: Run) -> dict:
         "tokens_seen": int(steps[-1] * batch * seq_len) if steps and batch and seq_len else None,
         "last_loss": losses[2][-1] if losses[1] else None,
         "last_loss_step": losses[1][-1] if losses[1] else None,
+        "last_mtp_loss": mtp[2][-1] if mtp[1] else None,
         "best_val_loss": best[0],
         "best_val_step": best[1],
         "median_step_time_s": _median(_timed(run), "step_time_s"),
@@ -256,6 +289,8 @@ def summarize(run: Run) -> dict:
         "restarts": sum(e.get("event") == "checkpoint_restored" for e in run.events),
         "preemptions": sum(e.get("event") == "preempted" for e in run.events),
         "nonfinite_steps": sorted(nonfinite),
+        "eval_tasks_step": _step(run.tasks[-1]) if run.tasks else None,
+        "eval_tasks": _task_scores(run.tasks[-1]) if run.tasks else {},
         "goodput": run.goodput,
     }
 
@@ -275,7 +310,9 @@ def format_summary(summary: dict) -> str:
         f"steps logged: {_fmt(s['first_step'], 'd')}–{_fmt(s['last_step'], 'd')} "
         f"({s['steps_logged']} records, {s['validation_records']} validation)",
         f"tokens seen: {_fmt(s['tokens_seen'], ',d')}",
-        f"last loss: {_fmt(s['last_loss'])} (step {_fmt(s['last_loss_step'], 'd')})",
+        f"last loss: {_fmt(s['last_loss'])} (step {_fmt(s['last_loss_step'], 'd')})"
+        + (f", MTP loss {_fmt(s['last_mtp_loss'])}" if s.get("last_mtp_loss") is not None
+           else ""),
         f"best val loss: {_fmt(s['best_val_loss'])} (step {_fmt(s['best_val_step'], 'd')})",
         f"median step time: {_fmt(s['median_step_time_s'], '.4g', ' s')} (compiled steps excluded)",
         f"median tokens/s/device: {_fmt(s['median_tokens_per_s_per_device'], ',.0f')}",
@@ -285,6 +322,7 @@ def format_summary(summary: dict) -> str:
         f"restarts: {s['restarts']}",
         f"preemptions: {s['preemptions']}",
         f"non-finite steps: {_steps(s['nonfinite_steps'])}",
+        _tasks_line(s),
         *goodput.format_goodput(s.get("goodput")),
     ]
     if "plots" in s:
@@ -292,6 +330,14 @@ def format_summary(summary: dict) -> str:
     if s.get("skipped_plots"):
         lines.append(f"skipped plots (no data): {', '.join(s['skipped_plots'])}")
     return "\n".join(lines) + "\n"
+
+
+def _tasks_line(summary: dict) -> str:
+    scores = summary.get("eval_tasks") or {}
+    if not scores:
+        return "downstream tasks: n/a"
+    return (f"downstream tasks (step {summary['eval_tasks_step']}): "
+            + ", ".join(f"{name} {value:.4g}" for name, value in scores.items()))
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:

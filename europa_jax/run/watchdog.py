@@ -73,6 +73,11 @@ class HangWatchdog:
         when the watchdog fires. Does not reset the clock."""
         self.detail = detail
 
+    def progress(self) -> None:
+        """The current phase made progress (a long evaluation's forward pass finished): its
+        clock starts again, so only a stretch without progress counts against the limit."""
+        self.since = self._clock()
+
     def step_took(self, seconds: float) -> None:
         self.step_times = (self.step_times + [seconds])[-STEP_TIMES_KEPT:]
 
