@@ -162,3 +162,23 @@ def rows_with_documents(cfg):
         if single and len(several) >= 2:
             rows = single[:1] + several[:2]
             return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def objective_gradients(cfg, batch, state, microbatches=1, **model_changes):
+    """((loss, stats), gradients) of `train.gradients` for `cfg` with `model_changes`
+    (e.g. seq_aux_loss_weight=0.5) in `microbatches`, as host arrays."""
+    import jax
+
+    from europa_jax.parallel import offload, sharding
+    from europa_jax.train import train
+
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_changes),
+                              train=dataclasses.replace(cfg.train, microbatches=microbatches))
+    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
+
+    def grads(state, batch):
+        params = offload.to_device(state.params, trainer.state_shardings.params)
+        return train.gradients(trainer, params, state.router_bias_LE, batch)
+
+    with jax.set_mesh(trainer.mesh):
+        return jax.device_get(jax.jit(grads)(state, batch))

@@ -23,10 +23,11 @@ from europa_jax.interop import hf_import
 from europa_jax.interop.export import export
 from europa_jax.model import flops
 from europa_jax.model.transformer import init_router_bias, Transformer
-from europa_jax.parallel import offload, sharding
+from europa_jax.parallel import sharding
 from europa_jax.run import loop
 from europa_jax.train import objective, qk_clip, train
-from conftest import REPO, config_path, nested_params, rows_with_documents, saved_state
+from conftest import (config_path, nested_params, objective_gradients, REPO,
+                      rows_with_documents, saved_state)
 
 # tiny-cpu as shipped with one MTP module, a few steps (test_export.py's run otherwise).
 TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
@@ -241,23 +242,10 @@ def batch_and_state(tiny_cfg):
     return cfg, batch, train.init_state(trainer, seed=0)
 
 
-def gradients(cfg, batch, state, weight, m=1):
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_loss_weight=weight),
-                              train=dataclasses.replace(cfg.train, microbatches=m))
-    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-
-    def grads(state, batch):
-        params = offload.to_device(state.params, trainer.state_shardings.params)
-        return train.gradients(trainer, params, state.router_bias_LE, batch)
-
-    with jax.set_mesh(trainer.mesh):
-        return jax.device_get(jax.jit(grads)(state, batch))
-
-
 def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(batch_and_state):
     cfg, batch, state = batch_and_state
-    (loss_0, stats_0), grads_0 = gradients(cfg, batch, state, 0.0)
-    (loss_w, stats_w), grads_w = gradients(cfg, batch, state, 0.5)
+    (loss_0, stats_0), grads_0 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.0)
+    (loss_w, stats_w), grads_w = objective_gradients(cfg, batch, state, mtp_loss_weight=0.5)
     assert loss_0 == stats_0["lm_loss"]
     np.testing.assert_allclose(stats_w["mtp_loss"], stats_0["mtp_loss"], rtol=1e-6)
     np.testing.assert_allclose(loss_w, stats_w["lm_loss"] + 0.5 * stats_w["mtp_loss"], rtol=1e-6)
@@ -275,8 +263,8 @@ def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(bat
 
 def test_microbatches_give_the_whole_batch_s_mtp_loss_and_gradients(batch_and_state):
     cfg, batch, state = batch_and_state
-    (loss_1, stats_1), grads_1 = gradients(cfg, batch, state, 0.5, m=1)
-    (loss_2, stats_2), grads_2 = gradients(cfg, batch, state, 0.5, m=2)
+    (loss_1, stats_1), grads_1 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.5)
+    (loss_2, stats_2), grads_2 = objective_gradients(cfg, batch, state, 2, mtp_loss_weight=0.5)
     np.testing.assert_allclose(stats_2["mtp_loss"], stats_1["mtp_loss"], rtol=1e-5)
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
     np.testing.assert_allclose(grads_2["mtp_layers"]["eh_proj"], grads_1["mtp_layers"]["eh_proj"],

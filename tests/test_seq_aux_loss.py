@@ -11,9 +11,10 @@ import pytest
 
 from europa_jax.config import ConfigError
 from europa_jax.model.moe import sequence_balance
-from europa_jax.parallel import offload, sharding
+from europa_jax.parallel import sharding
 from europa_jax.run import loop
 from europa_jax.train import train
+from conftest import objective_gradients
 
 
 def reference_balance(logits_BSE, experts_BSU, tokens_BS):
@@ -102,23 +103,10 @@ def batch_and_state(tiny_cfg):
     return cfg, batch, train.init_state(trainer, seed=0)
 
 
-def gradients(cfg, batch, state, alpha, m=1):
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_aux_loss_weight=alpha),
-                              train=dataclasses.replace(cfg.train, microbatches=m))
-    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-
-    def grads(state, batch):
-        params = offload.to_device(state.params, trainer.state_shardings.params)
-        return train.gradients(trainer, params, state.router_bias_LE, batch)
-
-    with jax.set_mesh(trainer.mesh):
-        return trainer, jax.device_get(jax.jit(grads)(state, batch))
-
-
 def test_the_objective_adds_alpha_times_the_mean_balance_over_sequences(batch_and_state):
     cfg, batch, state = batch_and_state
-    _, ((loss_0, stats_0), grads_0) = gradients(cfg, batch, state, 0.0)
-    _, ((loss_a, stats_a), grads_a) = gradients(cfg, batch, state, 0.5)
+    (loss_0, stats_0), grads_0 = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.0)
+    (loss_a, stats_a), grads_a = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.5)
     assert "seq_aux_loss" not in stats_0 and loss_0 == stats_0["lm_loss"]
     np.testing.assert_allclose(stats_a["lm_loss"], stats_0["lm_loss"], rtol=1e-6)
     np.testing.assert_allclose(loss_a, stats_a["lm_loss"] + stats_a["seq_aux_loss"], rtol=1e-6)
@@ -135,8 +123,8 @@ def test_the_objective_adds_alpha_times_the_mean_balance_over_sequences(batch_an
 
 def test_microbatches_give_the_whole_batch_s_aux_loss_and_gradients(batch_and_state):
     cfg, batch, state = batch_and_state
-    _, ((loss_1, stats_1), grads_1) = gradients(cfg, batch, state, 0.5, m=1)
-    _, ((loss_2, stats_2), grads_2) = gradients(cfg, batch, state, 0.5, m=2)
+    (loss_1, stats_1), grads_1 = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.5)
+    (loss_2, stats_2), grads_2 = objective_gradients(cfg, batch, state, 2, seq_aux_loss_weight=0.5)
     np.testing.assert_allclose(stats_2["seq_aux_loss"], stats_1["seq_aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
     np.testing.assert_allclose(grads_2["moe_layers"]["moe"]["w_router"],
@@ -150,6 +138,6 @@ def test_a_step_logs_the_lm_loss_as_loss_and_the_aux_loss_beside_it(batch_and_st
     with jax.set_mesh(trainer.mesh):
         _, metrics = jax.device_get(train.jit_train_step(trainer)(
             jax.tree.map(lambda x: x.copy(), state), batch))
-    _, ((_, stats), _) = gradients(cfg, batch, state, 0.5)
+    (_, stats), _ = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.5)
     np.testing.assert_allclose(metrics["loss"], stats["lm_loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics["seq_aux_loss"], stats["seq_aux_loss"], rtol=1e-5)

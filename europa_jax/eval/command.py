@@ -42,15 +42,7 @@ def task_names(spec: str) -> list[str]:
 def checkpoint_config(run_dir: str | Path, step: int | None, overrides: list[str]
                       ) -> tuple[Path, dict, Config]:
     """(the step's directory, its metadata, the run's config with `overrides`)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: no such run directory")
-    steps = checkpoint.committed_steps(run_dir)
-    if not steps:
-        raise ConfigError(f"{checkpoint.checkpoint_dir(run_dir)}: no checkpoint to evaluate")
-    if step is not None and step not in steps:
-        raise ConfigError(f"--step {step}: not a checkpoint of {run_dir} (have {steps})")
-    step_dir = checkpoint.checkpoint_dir(run_dir) / str(steps[-1] if step is None else step)
+    step_dir = checkpoint.step_dir_of(run_dir, step, "evaluate")
     meta = checkpoint.read_meta(step_dir)
     for item in overrides:
         if not item.split("=", 1)[0].strip().startswith(LAYOUT_KEYS):

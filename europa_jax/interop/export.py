@@ -72,15 +72,6 @@ def commit_output(tmp: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
-def resolve_step(run_dir: Path, step: int | None) -> Path:
-    steps = checkpoint.committed_steps(run_dir)
-    if not steps:
-        raise ConfigError(f"{checkpoint.checkpoint_dir(run_dir)}: no checkpoint to export")
-    if step is not None and step not in steps:
-        raise ConfigError(f"--step {step}: not a checkpoint of {run_dir} (have {steps})")
-    return checkpoint.checkpoint_dir(run_dir) / str(steps[-1] if step is None else step)
-
-
 class CheckpointReader:
     """Reads slices of saved arrays, each region once, summing bits to verify the save."""
 
@@ -160,7 +151,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of: {', '.join(DTYPES)}")
     run_lock.check_free(out_dir)  # --overwrite must not replace a run that is going
-    step_dir = resolve_step(run_dir, step)
+    step_dir = checkpoint.step_dir_of(run_dir, step, "export")
     meta = checkpoint.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])
     # before anything is written: a missing or changed tokenizer file is an error

@@ -63,15 +63,7 @@ def read_parameters(run_dir: str | Path, step: int | None = None
                     ) -> tuple[Config, dict, np.ndarray, int]:
     """(config, nested parameters, router bias [L, E], step) of a checkpoint, as host
     arrays in their stored shapes, each checked against its saved fingerprint."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise SampleError(f"{run_dir}: no such run directory")
-    steps = checkpoint.committed_steps(run_dir)
-    if not steps:
-        raise SampleError(f"{checkpoint.checkpoint_dir(run_dir)}: no checkpoint to sample from")
-    if step is not None and step not in steps:
-        raise SampleError(f"--step {step}: not a checkpoint of {run_dir} (have {steps})")
-    step_dir = checkpoint.checkpoint_dir(run_dir) / str(steps[-1] if step is None else step)
+    step_dir = checkpoint.step_dir_of(run_dir, step, "sample from", SampleError)
     meta = checkpoint.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])
     params: dict = {}

@@ -41,7 +41,7 @@ import tensorstore as ts
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from europa_jax import param_table
-from europa_jax.config import Config, ModelConfig
+from europa_jax.config import Config, ConfigError, ModelConfig
 from europa_jax.config_loader import to_dict
 from europa_jax.run import distributed
 from europa_jax.run.save_outcome import (DONE, FAILED, remove_failed_save, save_error,
@@ -368,6 +368,22 @@ def committed_steps(run_dir: str | Path) -> list[int]:
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def step_dir_of(run_dir: str | Path, step: int | None, purpose: str,
+                error: type[Exception] = ConfigError) -> Path:
+    """The directory of committed checkpoint `step` of a run (None: the latest), for a
+    command that reads one (`purpose`: "export", "sample from", "evaluate"); a missing run
+    directory, no checkpoint or another step is one line, raised as `error`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise error(f"{run_dir}: no such run directory")
+    steps = committed_steps(run_dir)
+    if not steps:
+        raise error(f"{checkpoint_dir(run_dir)}: no checkpoint to {purpose}")
+    if step is not None and step not in steps:
+        raise error(f"--step {step}: not a checkpoint of {run_dir} (have {steps})")
+    return checkpoint_dir(run_dir) / str(steps[-1] if step is None else step)
 
 
 def read_meta(step_dir: Path) -> dict:
