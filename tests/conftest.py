@@ -182,3 +182,17 @@ def objective_gradients(cfg, batch, state, microbatches=1, **model_changes):
 
     with jax.set_mesh(trainer.mesh):
         return jax.device_get(jax.jit(grads)(state, batch))
+
+
+def first_batch_and_initial_state(cfg):
+    """The config's first global batch on its mesh and a seed-0 train state."""
+    import jax
+
+    from europa_jax.parallel import sharding
+    from europa_jax.run import loop
+    from europa_jax.train import train
+
+    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
+    with jax.set_mesh(trainer.mesh):
+        _, batch = next(iter(loop.device_batches(trainer, loop.host_batch_iterator(cfg))))
+    return batch, train.init_state(trainer, seed=0)

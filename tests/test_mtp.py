@@ -24,10 +24,9 @@ from europa_jax.interop.export import export
 from europa_jax.model import flops
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import sharding
-from europa_jax.run import loop
 from europa_jax.train import objective, qk_clip, train
-from conftest import (config_path, nested_params, objective_gradients, REPO,
-                      rows_with_documents, saved_state)
+from conftest import (config_path, first_batch_and_initial_state, nested_params,
+                      objective_gradients, REPO, rows_with_documents, saved_state)
 
 # tiny-cpu as shipped with one MTP module, a few steps (test_export.py's run otherwise).
 TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
@@ -236,10 +235,7 @@ ROWS = 32  # 4 rows per device: microbatches of 2 keep 2 each
 def batch_and_state(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, mtp_layers=1),
                               data=dataclasses.replace(tiny_cfg.data, global_batch_size=ROWS))
-    trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-    with jax.set_mesh(trainer.mesh):
-        _, batch = next(iter(loop.device_batches(trainer, loop.host_batch_iterator(cfg))))
-    return cfg, batch, train.init_state(trainer, seed=0)
+    return cfg, *first_batch_and_initial_state(cfg)
 
 
 def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(batch_and_state):

@@ -12,9 +12,8 @@ import pytest
 from europa_jax.config import ConfigError
 from europa_jax.model.moe import sequence_balance
 from europa_jax.parallel import sharding
-from europa_jax.run import loop
 from europa_jax.train import train
-from conftest import objective_gradients
+from conftest import first_batch_and_initial_state, objective_gradients
 
 
 def reference_balance(logits_BSE, experts_BSU, tokens_BS):
@@ -96,11 +95,7 @@ ROWS = 32  # 4 rows per device: microbatches of 2 keep 2 each
 def batch_and_state(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, data=dataclasses.replace(tiny_cfg.data,
                                                                  global_batch_size=ROWS))
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = train.build_trainer(cfg, mesh)
-    with jax.set_mesh(mesh):
-        _, batch = next(iter(loop.device_batches(trainer, loop.host_batch_iterator(cfg))))
-    return cfg, batch, train.init_state(trainer, seed=0)
+    return cfg, *first_batch_and_initial_state(cfg)
 
 
 def test_the_objective_adds_alpha_times_the_mean_balance_over_sequences(batch_and_state):
