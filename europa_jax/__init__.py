@@ -1,9 +1,10 @@
 """europa-jax: a JAX/XLA stack for pretraining DeepSeek-V3/Kimi-K2-family MoE models on
 GH200 clusters.
 
-The package is a core (`config` with `config_model` and `config_checks`, `config_loader`,
-`param_table`, `cli`) and eight wings, each importing only the core and the wings before
-it: data, parallel < model < train < plan < run < interop < eval (README, "What is here").
+The package is a core (`config` with `config_model`, `config_train` and `config_checks`,
+`config_loader`, `param_table`, `cli`) and eight wings, each importing only the core and
+the wings before it: data, parallel < model < train < plan < run < interop < eval
+(README, "What is here").
 
 Shape suffixes — one legend for the whole project. A tensor's name ends in the letters of
 its dimensions, in order (`x_BSD`, `w_up_EDF`, `cos_BSP2`); einsum strings use the same

@@ -1,7 +1,7 @@
 """The package's wings and their order: no module imports a wing above its own.
 
-core (config, config_model, config_checks, config_loader, param_table) < data, parallel <
-model < train < plan < run < interop < eval < cli. Every import counts, including those
+core (config, config_model, config_train, config_checks, config_loader, param_table) <
+data, parallel < model < train < plan < run < interop < eval < cli. Every import counts, including those
 inside functions (taken late only to keep start-up light). The README's "What is here"
 table lists every module.
 """
@@ -13,7 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "europa_jax"
-CORE = {"config", "config_checks", "config_model", "config_loader", "param_table"}
+CORE = {"config", "config_checks", "config_model", "config_train", "config_loader",
+        "param_table"}
 RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "run": 5,
         "interop": 6, "eval": 7, "cli": 8}
 
