@@ -33,9 +33,10 @@ from gpu_programs import Program
 
 EXPERT_AXIS = 4  # europa-952b's expert parallelism: the rows a device of a node receives
 # Kernel names that are matrix multiplications (cuBLAS/cuBLASLt, CUTLASS, tokamax's Mosaic
-# GPU and Triton kernels, flash attention); everything else counts as memory-bound.
+# GPU and Triton kernels, flash attention; tokamax 0.0.17 leaves its sm90 flash backward
+# kernels unnamed, `anonymous`); everything else counts as memory-bound.
 MATMUL_KERNELS = re.compile(r"gemm|cutlass|xmma|wgmma|nvjet|ragged|mosaic|flash|attention|"
-                            r"matmul|dot", re.IGNORECASE)
+                            r"matmul|dot|anonymous", re.IGNORECASE)
 GROUPED_BUFFER_ROWS, GROUPED_FILLED_ROWS = 131072, 32768
 
 

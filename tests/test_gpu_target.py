@@ -18,7 +18,7 @@ from europa_jax import cli
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
 from europa_jax.parallel import offload, sharding
-from europa_jax.plan import gpu_program, gpu_target, hbm_traffic, hlo_report
+from europa_jax.plan import gpu_program, gpu_target, hbm_traffic, hlo_report, kernel_classes
 from europa_jax.train import train
 from conftest import REPO, config_path
 
@@ -134,7 +134,8 @@ def test_offloaded_activations_are_host_temporaries_of_their_size(gpu_step):
 @needs_toolchain
 def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
     facts, cfg = gpu_step["facts"], gpu_step["cfg"]
-    assert any("RaggedDot" in k for k in facts["custom_calls"]), facts["custom_calls"]
+    assert set(facts["library_kernels"]["grouped_gemm"]) == {
+        "ragged_dot_sm90", "ragged_contracting_dim_dot_sm90"}, facts["custom_calls"]
     assert facts["dense_expert_buffers"] == []
     checks = {c["path"]: c for c in gpu_program.kernel_checks(
         cfg, gpu_step["numbers"], facts, gpu_step["numbers"]["memory/host_argument"],
@@ -146,9 +147,11 @@ def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
 @needs_toolchain
 def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_step):
     facts, cfg = gpu_step["facts"], gpu_step["cfg"]
-    flash = {k: v for k, v in facts["custom_calls"].items() if "FlashAttention" in k}
-    # forward and backward kernels, in every scanned layer body and its recompute
-    assert flash and sum(flash.values()) >= 2, facts["custom_calls"]
+    # forward and backward kernels (tokamax's Mosaic GPU ones), in every scanned layer body
+    # and its recompute
+    library = facts["library_kernels"]
+    assert set(library["attention_forward"]) == {"flash_attention_sm90"}, facts["custom_calls"]
+    assert set(library["attention_backward"]) == {"flash_attention_vjp"}, facts["custom_calls"]
     assert facts["dense_attention_buffers"] == []
     checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, gpu_step["numbers"], facts, 0, [])}
     assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
@@ -162,8 +165,8 @@ def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_b
     cfg = without_offload(gpu_cfg(tiny_cfg, attention_context_parallel=True))
     step = compile_for_gpu(cfg)
     facts = step["facts"]
-    flash = {k: v for k, v in facts["custom_calls"].items() if "FlashAttention" in k}
-    assert flash and sum(flash.values()) >= 2, facts["custom_calls"]
+    library = facts["library_kernels"]
+    assert library["attention_forward"] and library["attention_backward"], facts["custom_calls"]
     assert facts["dense_attention_buffers"] == []
     checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, step["numbers"], facts, 0, [])}
     assert checks["attention"]["ok"]
@@ -227,7 +230,8 @@ def flash_vjp_calls(text: str):
             if loop and "known_trip_count" not in line:
                 dynamic_bodies.add(loop.group(1))
     return [(line, name in dynamic_bodies) for name, lines in comps.items() for line in lines
-            if "custom-call(" in line and "FlashAttentionVjp" in line]
+            if "custom-call(" in line
+            and (kernel_classes.library_kernel(line) or ("",))[0] == "attention_backward"]
 
 
 @needs_toolchain
@@ -294,7 +298,7 @@ def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
     """The check can fail: jax.lax.ragged_dot compiles to every row times every expert."""
     cfg = without_offload(gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot"))
     step = compile_for_gpu(cfg)
-    assert not any("RaggedDot" in k for k in step["facts"]["custom_calls"])
+    assert "grouped_gemm" not in step["facts"]["library_kernels"]
     checks = gpu_program.kernel_checks(cfg, step["numbers"], step["facts"], 0, [])
     assert not checks[0]["ok"] and checks[0]["path"] == "grouped matmul"
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert

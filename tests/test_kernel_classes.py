@@ -6,7 +6,8 @@ import pytest
 
 from europa_jax.plan import hlo_program, kernel_classes
 
-TOKAMAX = 'metadata={op_name="jit(f)/tokamax:{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.%s\\"}}"}'
+# jax 0.12 names a Pallas kernel's call `…/<kernel name>/mpmd_map` (Mosaic GPU)
+PALLAS = 'metadata={op_name="jit(f)/transpose(jvp())/layer/%s/mpmd_map"}'
 HLO = """HloModule m
 
 %wrapped_dus (p0: bf16[3,8,16], p1: bf16[1,8,16], p2: s32[]) -> bf16[3,8,16] {
@@ -75,9 +76,10 @@ ENTRY %main (e0: bf16[2,8,16], e1: bf16[2,16,4], e2: f32[8,4], e3: bf16[3,8,16],
   %addressed_gemm = (bf16[8,4]{1,0}, s8[64]{0}) fusion(%x0, %w0), kind=kCustom, calls=%addressed
   %rows = bf16[64,16]{1,0} custom-call(%e6, %e4, %e5), custom_call_target="mosaic_gpu_v2", @RAGGED@
   %xt = bf16[32,64]{1,0} bitcast(%e4)
-  %wgrad = f32[4,32,16]{2,1,0} custom-call(%e6, %xt, %rows), custom_call_target="mosaic_gpu_v2", @RAGGED@
+  %wgrad = f32[4,32,16]{2,1,0} custom-call(%e6, %xt, %rows), custom_call_target="mosaic_gpu_v2", @WGRAD@
   %flash = (bf16[1,128,4,32]{3,2,1,0}, f32[1,4,128]{2,1,0}) custom-call(%e8, %e8, %e9, %e10), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[1,128,4,48]{3,2,1,0}, bf16[1,128,4,48]{3,2,1,0}, bf16[1,128,4,32]{3,2,1,0}, s32[1,128]{1,0}}, api_version=API_VERSION_TYPED_FFI, @FWD@
   %flash_vjp = bf16[1,128,4,48]{3,2,1,0} custom-call(%e8, %e8, %e9, %e10), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[1,128,4,48]{3,2,1,0}, bf16[1,128,4,48]{3,2,1,0}, bf16[1,128,4,32]{3,2,1,0}, s32[1,128]{1,0}}, api_version=API_VERSION_TYPED_FFI, @VJP@
+  %other = bf16[64,32]{1,0} custom-call(%e4), custom_call_target="mosaic_gpu_v2", @OTHER@
   %to_device = (f32[64,64]{1,0}, f32[64,64]{1,0:S(5)}, u32[]) copy-start(%e7)
   %to_device.done = f32[64,64]{1,0} copy-done(%to_device)
   %slice = bf16[1,8,16]{2,1,0} bitcast(%x0)
@@ -88,9 +90,11 @@ ENTRY %main (e0: bf16[2,8,16], e1: bf16[2,16,4], e2: f32[8,4], e3: bf16[3,8,16],
   %buffer = f32[16]{0} custom-call(), custom_call_target="AllocateBuffer"
   ROOT %out = f32[8,4]{1,0} get-tuple-element(%loop), index=3
 }
-""".replace("@RAGGED@", TOKAMAX % "ragged_dot.pallas_mosaic_gpu.PallasMosaicGpuRaggedDot").replace(
-    "@FWD@", TOKAMAX % "attention.pallas_mosaic_gpu.PallasMosaicGpuFlashAttention").replace(
-    "@VJP@", TOKAMAX % "attention.pallas_mosaic_gpu_vjp.PallasMosaicGpuFlashAttentionVjp")
+""".replace("@RAGGED@", PALLAS % "moe/ragged_dot_sm90").replace(
+    "@WGRAD@", PALLAS % "moe/ragged_contracting_dim_dot_sm90").replace(
+    "@FWD@", PALLAS % "attention/attention_kernel/flash_attention_sm90").replace(
+    "@VJP@", PALLAS % "attention/attention_kernel/anonymous").replace(
+    "@OTHER@", PALLAS % "norm/anonymous")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +107,7 @@ def test_every_launch_is_in_one_class_and_nothing_else_is_a_launch(found):
         "gemm": "dense_gemm", "sum": "memory_bound", "ag": "collective",
         "addressed_gemm": "dense_gemm", "rows": "grouped_gemm", "wgrad": "grouped_gemm",
         "flash": "attention_forward", "flash_vjp": "attention_backward",
-        "to_device": "host_copy", "offload": "host_copy", "fetch": "host_copy"}
+        "other": "memory_bound", "to_device": "host_copy", "offload": "host_copy", "fetch": "host_copy"}
     # the loop's kernels run its trip count; the condition's constant is no launch
     assert found["gemm"].runs == found["sum"].runs == found["ag"].runs == 3
     assert found["flash"].runs == 1
@@ -127,6 +131,32 @@ def test_grouped_matmuls_forward_and_weight_gradient(found):
     window = s["grouped_gemm"]["windows"][0]
     assert window["rows_per_expert"] == 64 * 0.5 / 4 and window["runs"] == 2
     assert s["grouped_gemm"]["flops"] == 2 * (2 * 64 * 32 * 16) * 0.5
+
+
+def test_library_kernels_are_named_by_the_call_the_lowering_names():
+    """Mosaic GPU calls end `<kernel>/mpmd_map`, Triton ones `<kernel>/pallas_call`; the
+    unnamed sm90 flash backward is known by its attention scope, an unnamed kernel
+    elsewhere is no library kernel; cuDNN's attention by its target."""
+    line = 'custom_call_target="%s", metadata={op_name="jit(f)/%s"}'
+    assert kernel_classes.library_kernel(line % ("mosaic_gpu_v2", "a/ragged_dot_sm90/mpmd_map")
+                                         ) == ("grouped_gemm", "ragged_dot_sm90")
+    assert kernel_classes.library_kernel(line % (
+        "__gpu$xla.gpu.triton", "jvp()/pallas_flash_attention_fwd_res/pallas_call")) == (
+        "attention_forward", "pallas_flash_attention_fwd_res")
+    assert kernel_classes.library_kernel(line % (
+        "__gpu$xla.gpu.triton", "transpose(jvp())/pallas_flash_attention_vjp/pallas_call")
+    )[0] == "attention_backward"
+    assert kernel_classes.library_kernel(line % (
+        "mosaic_gpu_v2", "transpose(jvp())/attention_kernel/while/body/anonymous/mpmd_map")
+    ) == ("attention_backward", "flash_attention_vjp")
+    assert kernel_classes.library_kernel(line % ("mosaic_gpu_v2", "mlp/anonymous/mpmd_map")) is None
+    assert kernel_classes.library_kernel(line % ("__cudnn$fmhaSoftmaxBackward", "a/b")) == (
+        "attention_backward", "__cudnn$fmhaSoftmaxBackward")
+    assert kernel_classes.library_kernel(line % ("__cublas$lt$matmul", "a/dot_general")) is None
+    triton = ('custom_call_target="triton_kernel_call_ffi", metadata={op_name="jit(f)/'
+              'triton_kernel_call" metadata_payload="tokamax:{\\"op\\":{\\"__type\\":'
+              '\\"tokamax._src.ops.ragged_dot.triton.TritonRaggedDot\\"}}"}')
+    assert kernel_classes.library_kernel(triton) == ("grouped_gemm", "TritonRaggedDot")
 
 
 def test_attention_calls_keep_their_shapes_not_flops(found):

@@ -18,7 +18,7 @@ from europa_jax.model.attention import (MLAttention, attention_mask, blockwise_a
 from europa_jax.model.layers import rope_tables
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import sharding
-from europa_jax.plan import hlo_report
+from europa_jax.plan import hlo_report, kernel_classes
 from europa_jax.run import loop
 from europa_jax.train import qk_clip, train
 
@@ -301,7 +301,10 @@ def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
     # 1.96τ, when the file runs alone), so the bounds are on the run's median and peak,
     # with room for that spread.
     assert 0 < first < 8 and unclipped.max() > 6 * tau  # it diverges
-    np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=1e-4)
+    # Until the first clip the two runs are the same math in two programs (the clip's own
+    # kernels around it), equal up to rounding, which the divergence amplifies step by
+    # step: XLA 0.12's fusions leave 7e-5 at step first − 1 and 7e-4 at `first`.
+    np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=2e-3)
     assert counts[first] > 0 and sum(counts[:first]) == 0  # the clip starts at τ
     after_clip, unclipped_after = clipped[first + 1:], unclipped[first + 1:]
     assert np.median(after_clip) < min(2.5 * tau, 0.75 * np.median(unclipped_after))
@@ -371,8 +374,9 @@ def test_on_the_gpu_kernels_the_clip_compiles_with_the_same_collectives_and_memo
             base.optim, qk_clip_threshold=threshold))
         programs[threshold] = compiled_gpu_step(cfg)
     for text, _, _ in programs.values():  # the forward kernel and its VJP's
-        assert "PallasMosaicGpuFlashAttention" in text
-        assert "PallasMosaicGpuFlashAttentionVjp" in text
+        kinds = {(kernel_classes.library_kernel(line) or ("",))[0] for line in text.splitlines()
+                 if " custom-call(" in line}
+        assert {"attention_forward", "attention_backward"} <= kinds
     (off, mem_off, mesh), (on, mem_on, _) = programs[None], programs[100.0]
     collectives = lambda text: hlo_report.summarize(hlo_report.collectives(text, mesh))
     assert collectives(on) == collectives(off)

@@ -34,9 +34,6 @@ from europa_jax.train import train
 
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
                  "host_output", "host_alias", "host_temp")
-# Custom calls that are library kernels, by the tokamax op (named in their metadata) or by
-# their call target.
-TOKAMAX_OP = re.compile(r"tokamax\._src\.ops\.[\w.]+\.(\w+)")
 HOST_MEMORY_SPACE = ":S(5)}"  # GPU layouts mark pinned host buffers with memory space 5
 
 
@@ -136,17 +133,21 @@ def visible_attention(cfg: Config) -> Config:
 
 def program_facts(text: str, cfg: Config) -> dict:
     """What the kernel checks need from an optimized GPU program's text."""
-    calls: dict[str, int] = {}
+    calls: dict[str, int] = {}  # custom calls by library kernel name, else by target
+    library: dict[str, dict[str, int]] = {}  # kernel class → {kernel name: calls}
     for line in text.splitlines():
         if " custom-call(" not in line:
             continue
-        op = TOKAMAX_OP.search(line)
+        kernel = kernel_classes.library_kernel(line)
         target = re.search(r'custom_call_target="([^"]+)"', line)
-        name = op.group(1) if op else (target.group(1) if target else "?")
+        name = kernel[1] if kernel else (target.group(1) if target else "?")
         calls[name] = calls.get(name, 0) + 1
+        if kernel:
+            library.setdefault(kernel[0], {}).setdefault(name, 0)
+            library[kernel[0]][name] += 1
     host_copies = sum(1 for line in text.splitlines()
                       if re.search(r"= \S.* copy-start\(", line) and HOST_MEMORY_SPACE in line)
-    return {"custom_calls": calls, "host_copies": host_copies,
+    return {"custom_calls": calls, "library_kernels": library, "host_copies": host_copies,
             "dense_expert_buffers": dense_expert_buffers(text, cfg),
             "dense_attention_buffers": dense_attention_buffers(text, cfg)}
 
@@ -162,7 +163,7 @@ def dense_attention_buffers(text: str, cfg: Config) -> list[dict]:
 def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
     """Buffers shaped like a dense grouped matmul's expansion — every row of an expert
     window times every expert of its group, [.., E_group, .., W, ..] with at least
-    E_group·W·min(D, F) elements (what jax.lax.ragged_dot makes in jaxlib 0.10.2) — which
+    E_group·W·min(D, F) elements (what jax.lax.ragged_dot makes in jaxlib 0.10.2 and 0.12.0.1) — which
     a grouped-matmul kernel must avoid."""
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert
     tokens = moe.dispatch_tokens(cfg)
@@ -186,9 +187,8 @@ def device_buffers(text: str, n: int) -> list[dict]:
 def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_state: int,
                   exchange_rows: list[dict]) -> list[dict]:
     """Whether each GPU-only path of the step compiled to what it should."""
-    calls = facts["custom_calls"]
     impl = kernels.grouped_matmul_impl(cfg.model, "gpu")
-    library = {k: v for k, v in calls.items() if "RaggedDot" in k}
+    library = facts["library_kernels"].get("grouped_gemm", {})
     dense = facts["dense_expert_buffers"]
     checks = [{
         "path": "grouped matmul", "configured": impl,
@@ -206,8 +206,8 @@ def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_stat
         or "no ragged all-to-all",
         "ok": bool(ragged) and all(r["axes"].split(":")[0] == "expert" for r in ragged),
     })
-    attention = {k: v for k, v in calls.items()
-                 if "Attention" in k or k.startswith("__cudnn$fmha")}
+    attention = {**facts["library_kernels"].get("attention_forward", {}),
+                 **facts["library_kernels"].get("attention_backward", {})}
     square = facts["dense_attention_buffers"]
     checks.append({
         "path": "attention", "configured": kernels.attention_impl(cfg.model, "gpu"),

@@ -39,8 +39,23 @@ COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                   "recv")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas")
 NO_KERNEL_TARGETS = ("AllocateBuffer",)
-# tokamax's ops name themselves in the metadata of their custom call.
-TOKAMAX_OP = re.compile(r"tokamax\._src\.ops\.([\w]+)\.[\w.]+\.(\w+)")
+# A Pallas kernel's custom call names the kernel in its op_name: jax 0.12 lowers a Mosaic
+# GPU kernel to `…/<kernel name>/mpmd_map` and a Triton one to `…/<kernel name>/pallas_call`
+# (jax 0.10 carried tokamax's op class there instead). tokamax 0.0.17 names its sm90
+# kernels — `ragged_dot_sm90`, `ragged_contracting_dim_dot_sm90` (the weight gradient),
+# `flash_attention_sm90` — and its Triton ones (`pallas_flash_attention_fwd_res`,
+# `pallas_flash_attention_vjp`), but leaves the sm90 flash backward's two (dq, dkv)
+# unnamed (`anonymous`, or `batched_body` under a vmap), told apart by the attention scope
+# (a name with `attention` in it) they run in. First match wins.
+PALLAS_KERNEL = re.compile(r'op_name="([^"]*?)/(\w+)/(?:mpmd_map|pallas_call)"')
+LIBRARY_KERNELS = {"ragged_dot": "grouped_gemm", "ragged_contracting_dim_dot": "grouped_gemm",
+                   "pallas_flash_attention_vjp": "attention_backward",
+                   "flash_attention": "attention_forward",
+                   "pallas_flash_attention": "attention_forward"}
+UNNAMED_ATTENTION_BACKWARD = "flash_attention_vjp"  # our name for tokamax's unnamed ones
+# tokamax's Triton grouped matmul (through jax_triton: `triton_kernel_call`) is named only in
+# the tokamax payload its call keeps in the metadata.
+TOKAMAX_PAYLOAD = re.compile(r"tokamax\._src\.ops\.(\w+)\.[\w.]+\.(\w+)")
 FLOAT_DTYPES = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
 
 
@@ -139,13 +154,29 @@ def attention_dims(launch: Launch) -> tuple[int, int, int, int, int]:
     return b, s, h, k, v[-1]
 
 
-def _attention_kind(line: str) -> str | None:
-    op = TOKAMAX_OP.search(line)
-    if op and op.group(1) == "attention":
-        return "attention_backward" if "Vjp" in op.group(2) else "attention_forward"
+def library_kernel(line: str) -> tuple[str, str] | None:
+    """(class, kernel name) of a custom call that is a library kernel (tokamax's Pallas and
+    jax_triton kernels, cuDNN's fused attention); None for any other line. A Pallas kernel in an
+    attention scope that is not the forward is the backward (tokamax leaves it unnamed)."""
+    pallas = PALLAS_KERNEL.search(line)
+    if pallas:
+        scope, name = pallas.groups()
+        for prefix, kind in LIBRARY_KERNELS.items():
+            if name.startswith(prefix):
+                return kind, name
+        if "attention" in scope:
+            return "attention_backward", UNNAMED_ATTENTION_BACKWARD
+        return None
     target = _target(line)
+    payload = TOKAMAX_PAYLOAD.search(line) if target.startswith("triton_kernel_call") else None
+    if payload:
+        op, name = payload.groups()
+        if op == "ragged_dot":
+            return "grouped_gemm", name
+        if op == "attention":
+            return ("attention_backward" if "Vjp" in name else "attention_forward"), name
     if target.startswith("__cudnn$fmha"):
-        return "attention_backward" if "Backward" in target else "attention_forward"
+        return ("attention_backward" if "Backward" in target else "attention_forward"), target
     return None
 
 
@@ -200,16 +231,14 @@ def classify(mod: Module, launch: Launch) -> Kernel | None:
     if opcode == "dot":  # a dot XLA left to itself (not seen with cuBLAS GEMMs on)
         batch, m, n, k = dot_dims(mod, launch)
         return Kernel(launch, "dense_gemm", 2.0 * batch * m * n * k, 0.0, (batch, m, n, k))
-    if opcode == "custom-call":
-        op = TOKAMAX_OP.search(line)
-        if op and op.group(1) == "ragged_dot":
-            w, g, k, n = grouped_dims(mod, launch)
-            moved = array_bytes(launch.shape) + sum(
-                array_bytes(mod.shape.get(o, "")) for o in mod.operands(launch.rest))
-            return Kernel(launch, "grouped_gemm", 2.0 * w * k * n, float(moved), (w, g, k, n))
-        attention = _attention_kind(line)
-        if attention:
-            return Kernel(launch, attention, 0.0, 0.0, attention_dims(launch))
+    library = library_kernel(line) if opcode == "custom-call" else None
+    if library and library[0] == "grouped_gemm":
+        w, g, k, n = grouped_dims(mod, launch)
+        moved = array_bytes(launch.shape) + sum(
+            array_bytes(mod.shape.get(o, "")) for o in mod.operands(launch.rest))
+        return Kernel(launch, "grouped_gemm", 2.0 * w * k * n, float(moved), (w, g, k, n))
+    if library:
+        return Kernel(launch, library[0], 0.0, 0.0, attention_dims(launch))
     moved = _host_copy(mod, launch)
     if moved is not None:
         return Kernel(launch, "host_copy", 0.0, moved[0], to_host=moved[1])
