@@ -1,11 +1,14 @@
 """The library-kernel expert path in bounded windows against a per-row reference: values,
 gradients, overflowing windows, and weight gradients accumulated in float32."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from europa_jax.config import ConfigError
 from europa_jax.model import kernels
 from europa_jax.model.expert_windows import windowed_experts
 
@@ -105,3 +108,24 @@ def test_bad_groups_are_an_error():
     x, experts, gates, *w = inputs("random")
     with pytest.raises(ValueError, match="4 expert groups do not divide 6"):
         windowed_experts(x, experts, gates, *w, impl="ragged_dot", groups=4, window=8)
+
+
+def test_every_tokamax_call_names_exactly_one_implementation():
+    """tokamax passes silently from a kernel that declines to the next (0.0.17: Mosaic
+    declines float32, Triton is missing without jax_triton, then XLA's dense matmul runs),
+    so our rule names one: Mosaic GPU or Triton on a GPU, the XLA reference elsewhere."""
+    assert kernels.tokamax_grouped_matmul("tokamax", "gpu") == "mosaic"
+    assert kernels.tokamax_grouped_matmul("tokamax_triton", "gpu") == "triton"
+    assert kernels.tokamax_grouped_matmul("tokamax", "cpu") == "xla"
+    assert kernels.tokamax_grouped_matmul("tokamax_triton", "cpu") == "xla"
+
+
+def test_the_triton_grouped_matmul_without_jax_triton_is_a_one_line_config_error(
+        tiny_cfg, monkeypatch):
+    real = kernels._importable
+    monkeypatch.setattr(kernels, "_importable", lambda m: m != "jax_triton" and real(m))
+    cfg = dataclasses.replace(tiny_cfg.model, grouped_matmul="tokamax_triton")
+    with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: 'tokamax_triton' needs "
+                                          r"jax_triton.*pip install") as err:
+        kernels.grouped_matmul_impl(cfg, "gpu")
+    assert "\n" not in str(err.value)

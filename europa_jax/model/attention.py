@@ -359,7 +359,7 @@ def library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, *, scale, impl="to
     The residuals' cotangent is dropped by the VJPs (they differentiate the output only),
     and they are stop_gradient'ed here, so gradients are unchanged.
     """
-    tokamax = kernels.import_tokamax()  # noqa: F841 - absl flags before tokamax's modules
+    kernels.import_tokamax()  # its log filter before tokamax's modules log
     from tokamax._src.ops.attention import api, base
 
     op = api.IMPLEMENTATIONS[TOKAMAX_ATTENTION[impl]]

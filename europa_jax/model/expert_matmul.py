@@ -11,12 +11,13 @@ of copies with a written-out backward (expert_windows.py); `grouped_swiglu` take
 already sorted by expert with the group sizes (tests and benchmarks compare kernels on
 it). The kernels (`model.grouped_matmul`):
 
-- `tokamax`: tokamax's grouped matmul — on Hopper its Pallas Mosaic GPU kernel (then
-  Triton), each row multiplied by its own expert's matrix only; elsewhere tokamax falls
-  back to XLA. The GPU default. `tokamax_triton`: the Triton kernel only (built entirely
-  ahead of time; Mosaic GPU kernels are built when the program loads).
-- `ragged_dot`: `jax.lax.ragged_dot`. jaxlib 0.10.2 compiles it, on GPU as on CPU, to a
-  dense masked matmul over *all* experts (E× the FLOPs and an [E, M, ·] buffer).
+- `tokamax`: tokamax's grouped matmul — on a GPU its Pallas Mosaic GPU kernel (bf16
+  inputs: float32 ones are cast, accumulation float32), each row multiplied by its own
+  expert's matrix only; elsewhere tokamax's XLA reference. The GPU default. Each call names
+  its implementation (kernels.tokamax_grouped_matmul): tokamax's own order would pass
+  silently to XLA's dense matmul. `tokamax_triton`: the Triton kernel (needs jax_triton).
+- `ragged_dot`: `jax.lax.ragged_dot`. jaxlib 0.10.2 and 0.12.0.1 compile it, on GPU as on
+  CPU, to a dense masked matmul over *all* experts (E× the FLOPs and an [E, M, ·] buffer).
 - `blocked` (XLA:CPU): each expert's copies are padded to whole blocks of `block_rows`,
   so every block belongs to one expert (`BlockLayout`); a loop visits only the blocks
   that hold copies (a run-time trip count: the static bound is the worst case, the work
@@ -139,11 +140,8 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
 def _ragged_matmul(impl: str, group_sizes_E):
     if impl == "ragged_dot":
         return lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes_E)
-    tokamax = kernels.import_tokamax()
-    # None: tokamax's own order (Mosaic GPU on Hopper, then Triton, then XLA)
-    implementation = ("triton", "xla") if impl == "tokamax_triton" else None
-    return lambda rows, w: tokamax.ragged_dot(rows, w, group_sizes_E,
-                                              implementation=implementation)
+    ragged_dot = kernels.tokamax_ragged(impl)  # exactly one implementation (kernels.py)
+    return lambda rows, w: ragged_dot(rows, w, group_sizes_E)
 
 
 # ----------------------------------------------------------------------------- blocked

@@ -54,6 +54,9 @@ class Windows:
     impl: str
     groups: int
     window: int
+    # whose kernels: taken while the forward is traced (the backward is traced after the
+    # SPMD context that says it has been left)
+    platform: str = dataclasses.field(default_factory=kernels.current_platform)
 
     def __post_init__(self):
         if self.impl.startswith("tokamax"):  # whole kernel tiles
@@ -103,24 +106,20 @@ def _sort(experts_RU, e: int, groups: int):
 # ----------------------------------------------------------------------------- kernels
 
 
-def matmul_kernel(impl: str):
+def matmul_kernel(impl: str, platform: str | None = None):
     """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot
-    tokamax = kernels.import_tokamax()
-    implementation = ("triton", "xla") if impl == "tokamax_triton" else None
-    return functools.partial(tokamax.ragged_dot, implementation=implementation)
+    return kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
 
 
-def contract_kernel(impl: str):
+def contract_kernel(impl: str, platform: str | None = None):
     """lhs [W, K] and rhs [W, N] with rows ragged by expert → Σ_rows lhsᵀ·rhs [E, K, N],
     accumulated and returned in float32."""
     if impl == "ragged_dot":
         fn = jax.lax.ragged_dot_general
     else:
-        tokamax = kernels.import_tokamax()
-        implementation = ("triton", "xla") if impl == "tokamax_triton" else None
-        fn = functools.partial(tokamax.ragged_dot_general, implementation=implementation)
+        fn = kernels.tokamax_ragged(impl, general=True, platform=platform)
     return lambda lhs, rhs, sizes: fn(lhs, rhs, sizes, RAGGED_CONTRACTING,
                                       preferred_element_type=jnp.float32)
 
@@ -177,7 +176,7 @@ def _group_of(weights, g, groups: int, dtype):
 
 def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
     r, dt = x_RD.shape[0], x_RD.dtype
-    mm, rows = matmul_kernel(plan.impl), plan.window
+    mm, rows = matmul_kernel(plan.impl, plan.platform), plan.window
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
 
     def add_window(w, y_RD, mats, start, count, sizes):
@@ -203,7 +202,8 @@ def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
 
 def _backward(x_RD, gates_M, weights, order_M, sizes_E, dy_RD, u: int, plan: Windows):
     r, dt = x_RD.shape[0], x_RD.dtype
-    mm, contract, rows = matmul_kernel(plan.impl), contract_kernel(plan.impl), plan.window
+    mm, rows = matmul_kernel(plan.impl, plan.platform), plan.window
+    contract = contract_kernel(plan.impl, plan.platform)
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
     w_dtypes = tuple(w.dtype for w in weights)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 
 from europa_jax.config import ConfigError, ModelConfig
 from europa_jax.parallel import comm
@@ -25,18 +26,11 @@ INSTALL = "pip install -e '.[gpu]'"
 
 
 def import_tokamax():
-    """tokamax (the `gpu` extra), imported only where a config asks for it.
-
-    tokamax reads absl flags, and absl would parse this process's own command line
-    (`europa-jax plan --devices …`, pytest's) on first access and reject it: flags are
-    marked parsed first, at their defaults.
-    """
+    """tokamax (the `gpu` extra), imported only where a config asks for it. (tokamax ≥
+    0.0.13 reads only its own `--tokamax_*` arguments from the command line, so `plan`'s
+    and pytest's need no guarding any more.)"""
     import logging
 
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
     import tokamax
 
     # Without a tuned-config cache every trace warns, printing every group size: drop those.
@@ -53,8 +47,16 @@ def tokamax_available() -> bool:
 
 
 def current_platform() -> str:
+    """The SPMD context's platform, else the default device's (a GPU-target compile sets
+    a compile-only GPU as the default device: plan/gpu_target.lowering), else jax's
+    default backend."""
     ctx = comm.current()
-    return ctx.platform if ctx else jax.default_backend()
+    if ctx:
+        return ctx.platform
+    device = jax.config.jax_default_device
+    if device is not None and not isinstance(device, str):
+        return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    return jax.default_backend()
 
 
 def _resolve(key: str, configured: str, cpu_default: str, platform: str | None) -> str:
@@ -70,7 +72,59 @@ def _resolve(key: str, configured: str, cpu_default: str, platform: str | None) 
 
 def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
     """The configured grouped matmul; `auto` is `blocked` on CPU and tokamax's on GPU."""
-    return _resolve("grouped_matmul", cfg.grouped_matmul, "blocked", platform)
+    impl = _resolve("grouped_matmul", cfg.grouped_matmul, "blocked", platform)
+    if impl == "tokamax_triton" and not _importable("jax_triton"):
+        raise ConfigError("model.grouped_matmul: 'tokamax_triton' needs jax_triton, which "
+                          f"tokamax's Triton grouped matmul imports: {INSTALL}")
+    return impl
+
+
+# tokamax picks a kernel from an ordered list, passing silently to the next when one
+# declines (NotImplementedError): tokamax 0.0.17's Mosaic grouped matmul declines float32,
+# then its Triton one is missing without jax_triton, then XLA's dense one would run — E×
+# the FLOPs, with nothing said. So every call names exactly one implementation, by this
+# rule: on a GPU, `tokamax` is the Mosaic GPU kernel on bf16 inputs (float32 ones are cast,
+# accumulation float32, the bf16 result cast back, as for attention) and `tokamax_triton`
+# the Triton one;
+# elsewhere tokamax's XLA reference (tests compare the kernels' plumbing on CPU with it).
+MOSAIC_INPUT_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def tokamax_grouped_matmul(impl: str, platform: str | None = None) -> str:
+    """tokamax's implementation for `model.grouped_matmul` `impl` on `platform`."""
+    platform = platform or current_platform()
+    if platform != "gpu":
+        return "xla"
+    return {"tokamax": "mosaic", "tokamax_triton": "triton"}[impl]
+
+
+def tokamax_ragged(impl: str, general: bool = False, platform: str | None = None):
+    """tokamax's `ragged_dot` (`ragged_dot_general` if `general`) for `model.grouped_matmul`
+    `impl`, with exactly one implementation named; on Mosaic GPU float32 operands are
+    multiplied in bf16 and the result cast back (the kernel takes bf16/f16 only)."""
+    tokamax = import_tokamax()
+    implementation = tokamax_grouped_matmul(impl, platform)
+    fn = tokamax.ragged_dot_general if general else tokamax.ragged_dot
+
+    def call(lhs, rhs, *args, **kwargs):
+        if implementation == "mosaic" and not {lhs.dtype, rhs.dtype} <= set(
+                map(jnp.dtype, MOSAIC_INPUT_DTYPES)):
+            # bf16 in and out of the kernel (float32 inside), then float32: so that the
+            # cotangents tokamax's VJP multiplies are bf16 too (a float32 one would send
+            # the weight gradient to XLA's dense matmul)
+            wanted = kwargs.get("preferred_element_type") or lhs.dtype
+            return fn(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), *args,
+                      implementation=implementation, **kwargs).astype(wanted)
+        return fn(lhs, rhs, *args, implementation=implementation, **kwargs)
+
+    return call
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 # One device's float32 [B, H, S, S] attention scores up to which `auto` on CPU attends
