@@ -19,7 +19,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # layer l of the scanned stack, and double buffering lets that cross scan iterations.
 # Combining: collectives under 1 GiB are merged into fewer, larger messages (InfiniBand
 # pays per message); not by dimension, so differently shaped weights combine too.
-# The one-shot ragged all-to-all kernel is slower for the MoE exchange (MaxText, Marin).
+# The one-shot ragged all-to-all kernel is slower for the MoE exchange (MaxText, Marin), so
+# the exchange runs on NCCL send/recv, which XLA refuses at run time from jax 0.11 on
+# ("RaggedAllToAll fallback to NCCL is not allowed") unless allowed by the second flag.
 # GEMMs on cuBLAS, not Triton: XLA's Triton GEMM fusion fails to tile some Newton–Schulz
 # matmuls when compiled ahead of time, and `europa-jax plan --target gh200` compiles with
 # exactly this option (europa_jax/plan/gpu_target.py), so plan and run see the same program.
@@ -39,6 +41,7 @@ europa_xla_flags=(
   --xla_gpu_enable_all_gather_combine_by_dim=false
   --xla_gpu_enable_reduce_scatter_combine_by_dim=false
   --xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false
+  --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true
   --xla_gpu_enable_triton_gemm=false
   --xla_gpu_memory_limit_slop_factor=200
 )

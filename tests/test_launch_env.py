@@ -33,6 +33,9 @@ def test_the_recipe_settings_are_exported():
     flags = env["XLA_FLAGS"].split()
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
     assert "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false" in flags
+    # without the one-shot kernel the exchange is NCCL send/recv, refused since jax 0.11
+    # unless allowed
+    assert "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true" in flags
 
 
 def test_values_already_set_win_and_the_callers_xla_flags_come_last():
