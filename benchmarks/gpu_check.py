@@ -346,8 +346,6 @@ def main() -> None:
         except ConfigError as e:  # e.g. tokens that the attention blocks do not divide
             parser.error(f"--tokens {tokens}: {e}")
 
-    from europa_jax.run import jax_start
-
     gpu_here = gpu_driver_present()
     cpu_only = args.aot_only or not (gpu_here or os.environ.get("JAX_PLATFORMS"))
     if cpu_only:
@@ -356,7 +354,6 @@ def main() -> None:
         gpu_target.prepare_process()
     elif gpu_here:
         run_as_a_rank()
-    jax_start.import_quietly()
     import jax
 
     if cpu_only:

@@ -199,7 +199,6 @@ def _plan(args: argparse.Namespace, cfg) -> int:
         gpu_target.require_toolchain(args.target)
     # a plan never touches a device: CPU is the backend, a GPU only a compilation target
     gpu_target.prepare_process()
-    jax_start.import_quietly()
     from europa_jax.plan import plan, report_text  # imports jax; its backends start later
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
@@ -270,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command != "plan":  # plan chooses the platform first (_plan)
         jax_start.default_to_cpu_without_driver()
-        jax_start.import_quietly()
     try:
         if args.command == "prepare":
             return _prepare(args)

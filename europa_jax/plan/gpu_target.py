@@ -1,11 +1,12 @@
 """Compiling for NVIDIA GPUs on a machine that has none (deviceless ahead-of-time compile).
 
-jax 0.10.2's CUDA plugin compiles for a GPU it cannot see: `get_topology_desc` makes
+jax's CUDA plugin compiles for a GPU it cannot see: `get_topology_desc` makes
 compile-only devices from a `stream_executor.GpuTargetConfigProto` (the GPU's facts, as
 text) and a "partitions x hosts x devices-per-host" topology, and `jit(...).lower(...)
 .compile()` on a mesh of them returns the GPU compiler's program: `memory_analysis()` with
 separate HBM and host columns, and the optimized HLO with the GPU's collectives, fusions
-and kernel calls. What it needs and what it does not give (found on jaxlib 0.10.2):
+and kernel calls. What it needs and what it does not give (found on jaxlib 0.10.2, each
+still so on 0.12.0.1):
 - the `gpu` extra (jax-cuda12-plugin/-pjrt, ptxas from nvidia-cuda-nvcc-cu12; tokamax for
   the grouped matmul) and `JAX_PLATFORMS=cpu` before jax starts, or the plugin calls
   cuInit at start-up and fails without a driver;
@@ -183,8 +184,13 @@ def lowering(mesh_: jax.sharding.Mesh):
 
 def compile_lowered(lowered, mesh_: jax.sharding.Mesh):
     """`lowered.compile()`, with COMPILER_OPTIONS when the mesh is made of GPUs."""
+    from jax._src import config as jax_config
+
     from europa_jax.parallel import sharding
 
     if sharding.mesh_platform(mesh_) == "gpu":
-        return lowered.compile(compiler_options=COMPILER_OPTIONS)
+        # not through the persistent compilation cache: jax 0.12 writes a compile-only
+        # GPU program there but cannot load it back (no client: a warning, and a compile)
+        with jax_config.enable_compilation_cache(False):
+            return lowered.compile(compiler_options=COMPILER_OPTIONS)
     return lowered.compile()
