@@ -129,3 +129,42 @@ def test_the_triton_grouped_matmul_without_jax_triton_is_a_one_line_config_error
                                           r"jax_triton.*pip install") as err:
         kernels.grouped_matmul_impl(cfg, "gpu")
     assert "\n" not in str(err.value)
+
+
+def test_rows_a_kernel_leaves_unwritten_never_reach_another_kernel(monkeypatch):
+    """tokamax's Mosaic GPU grouped matmul leaves the rows past its groups unwritten (NaN
+    in the Pallas GPU interpreter), and its weight-gradient kernel masks its lhs rows past
+    the groups but not its rhs ones. Both emulated on CPU around tokamax's XLA reference,
+    in windows of whole 128-row tiles mostly past the groups: values and gradients stay
+    the per-row reference's."""
+    real = kernels.tokamax_ragged
+
+    def emulated(impl, general=False, platform=None):
+        fn = real(impl, general, platform)
+        if general:  # Σ over the tile's rows of lhsᵀ·rhs, lhs masked, rhs not: 0·NaN
+            def contract(lhs, rhs, sizes, *args, **kwargs):
+                past = (jnp.arange(rhs.shape[0]) >= sizes.sum())[:, None]
+                return fn(lhs, rhs, sizes, *args, **kwargs) + 0.0 * jnp.sum(
+                    jnp.where(past, rhs, 0).astype(jnp.float32))
+            return contract
+
+        def matmul(lhs, rhs, sizes, **kwargs):
+            out = fn(lhs, rhs, sizes, **kwargs)
+            return jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, jnp.nan)
+        return matmul
+
+    monkeypatch.setattr(kernels, "tokamax_ragged", emulated)
+    x, experts, gates, *w = inputs("empty_group")
+
+    def run(x, gates, *w):
+        return windowed_experts(x, experts, gates, *w, impl="tokamax", groups=2, window=8)[0]
+
+    np.testing.assert_allclose(run(x, gates, *w), reference(x, experts, gates, *w),
+                               rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    got = jax.grad(loss(run), argnums=range(5))(x, gates, *w)
+    want = jax.grad(loss(lambda x, g, *w: reference(x, experts, g, *w)),
+                    argnums=range(5))(x, gates, *w)
+    for name, a, b in zip(["x", "gates", "w_gate", "w_up", "w_down"], got, want):
+        assert np.isfinite(np.asarray(a)).all(), name
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -107,10 +107,20 @@ def _sort(experts_RU, e: int, groups: int):
 
 
 def matmul_kernel(impl: str, platform: str | None = None):
-    """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix."""
+    """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix;
+    rows past the groups are zeros."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot
-    return kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
+    matmul = kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
+
+    def written(rows, w, sizes):
+        # tokamax's Mosaic GPU kernel leaves the rows past the groups unwritten (whatever
+        # that memory held), and its weight-gradient kernel masks only its lhs rows past
+        # them: garbage there would reach every weight gradient of the window (0·NaN)
+        out = matmul(rows, w, sizes)
+        return jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
+
+    return written
 
 
 def contract_kernel(impl: str, platform: str | None = None):
