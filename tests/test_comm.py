@@ -262,9 +262,34 @@ def test_lowered_step_collectives_dtypes_and_axes(tiny_cfg, mesh):
     assert fp8_bytes < 0.4 * fp32_bytes
 
 
-def test_ragged_exchange_lowers_to_ragged_all_to_all_over_expert_groups(tiny_cfg, mesh):
-    """XLA:CPU cannot run it, but the GPU program must lower with the right groups."""
+def test_on_a_cpu_mesh_the_ragged_exchange_is_its_model_over_expert(tiny_cfg, mesh):
+    """XLA:CPU has no ragged all-to-all: on a CPU mesh `ragged` lowers to the model's
+    collectives (parallel/ragged_model.py), over `expert` only. (The GPU program's
+    `ragged-all-to-all` and its groups: tests/test_gpu_target.py.)"""
     trainer_ctx = ctx_for(mesh, tiny_cfg.model, expert_exchange="ragged")
     hlo = lowered_step_hlo(tiny_cfg, mesh, spmd=trainer_ctx)
-    ragged = [c for c in hlo_report.collectives(hlo, mesh) if c.op == "ragged-all-to-all"]
-    assert ragged and all(c.axes == ("expert",) for c in ragged)
+    found = hlo_report.collectives(hlo, mesh)
+    assert not [c for c in found if c.op == "ragged-all-to-all"]
+    gathers = [c for c in found if c.op == "all-gather" and c.axes == ("expert",)]
+    assert gathers  # the model's gathered operands
+
+
+@pytest.mark.parametrize("routing", ["random", "all_to_one_device", "empty_experts"])
+def test_the_ragged_exchange_equals_the_dense_reference(tiny_cfg, mesh, routing):
+    """The GPU's exchange (ragged_all_to_all, its CPU model here) with rounds of a quarter
+    of the expected rows, overflow rounds, peers that send nothing, and overflowing expert
+    windows: the dense reference's outputs and gradients, every copy processed."""
+    cfg, moe, x, boxed, params = moe_setup(tiny_cfg, n_group=1, topk_group=1,
+                                           grouped_matmul="ragged_dot", moe_buffer_factor=0.3,
+                                           moe_expert_groups=2)
+    bias = ROUTINGS[routing](16)
+    ep = _moe_fn(mesh, moe, boxed, ctx_for(mesh, moe.cfg, expert_exchange="ragged"))
+    y, stats = ep(params, x, bias)
+    np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
+    assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
+    assert int(stats["overflow_rounds"]) > 0
+    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
+    g_ep = grad(lambda p: ep(p, x, bias)[0])
+    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
+    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

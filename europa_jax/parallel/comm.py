@@ -10,9 +10,10 @@ every byte that crosses devices is written here, with its dtype:
   optimizer stay fp32. Expert weights keep their `expert` axis: only the `data` (FSDP)
   part is gathered, the experts stay on the GPU of the node that owns them.
 - `ExpertAxis.exchange` / `.counts`: the MoE all-to-all over `expert` only (NVLink inside
-  a node). `dense` is `all_to_all` of the per-destination buffers (XLA:CPU has no ragged
-  collective); `ragged` is `ragged_all_to_all`, which sends only the filled rows of the
-  very same buffers, with no host sync of split sizes.
+  a node). `dense` is `all_to_all` of the per-destination buffers (the CPU default);
+  `ragged` is `ragged_all_to_all`, which sends only the filled rows of the very same
+  buffers, with no host sync of split sizes — on a CPU mesh, which has no ragged
+  collective, a model of its documented contract (ragged_model.py) behind the same call.
 - `AttentionGroup`: attention context parallelism over a node's part of `expert` — the
   node's rows' latents all-gathered, each GPU's heads' outputs all-to-all'ed back to
   their rows.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import CommConfig
+from europa_jax.parallel import ragged_model
 from europa_jax.parallel.layout import Gather, Layout
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
@@ -158,6 +160,9 @@ class ExpertAxis:
     mode: str = "dense"
     wire: str | None = None
     groups: tuple[tuple[int, ...], ...] | None = None
+    # `ragged` on a CPU mesh: the op's documented contract in collectives XLA:CPU runs
+    # (ragged_model.py), so the GPU's exchange executes in CPU tests
+    modelled: bool = False
 
     def inside_nodes(self, per_node: int) -> "ExpertAxis":
         """Exchanges among the `per_node` consecutive devices of each node."""
@@ -223,7 +228,8 @@ class ExpertAxis:
         c = buf_JC.shape[1]
         flat = buf_JC.reshape(ep * c, *buf_JC.shape[2:])
         region_starts_J = jnp.arange(ep, dtype=jnp.int32) * c
-        out = jax.lax.ragged_all_to_all(
+        ragged = ragged_model.ragged_all_to_all if self.modelled else jax.lax.ragged_all_to_all
+        out = ragged(
             flat, jnp.zeros_like(flat), region_starts_J, send_counts_J.astype(jnp.int32),
             jnp.full((ep,), self.index() * c, jnp.int32), recv_counts_J.astype(jnp.int32),
             axis_name=EXPERT_AXIS, axis_index_groups=self._groups)
@@ -236,7 +242,7 @@ def expert_axis() -> ExpertAxis:
     if ctx is None:
         return ExpertAxis()
     return ExpertAxis(ctx.mesh_shape.get(EXPERT_AXIS, 1), ctx.comm.expert_exchange,
-                      ctx.comm.expert_exchange_dtype)
+                      ctx.comm.expert_exchange_dtype, modelled=ctx.platform == "cpu")
 
 
 def two_stage_nodes() -> int:

@@ -149,9 +149,6 @@ def spmd_context(cfg: Config, mesh: Mesh, on_mesh: Layout) -> comm.SpmdContext:
     platform = sharding.mesh_platform(mesh)
     if exchange == "auto":
         exchange = "dense" if platform == "cpu" else "ragged"
-    if exchange == "ragged" and platform == "cpu":
-        raise ConfigError("comm.expert_exchange: 'ragged' needs ragged_all_to_all, which XLA:CPU "
-                          "lacks; use 'dense' or 'auto' on CPU")
     kernels.grouped_matmul_impl(cfg.model, platform)  # a kernel this platform lacks: fail now
     kernels.attention_impl(cfg.model, platform)
     return comm.SpmdContext(layout=on_mesh, comm=dataclasses.replace(
