@@ -3,14 +3,17 @@ peak measured in the same run; before/after against another revision; where time
 
     python benchmarks/step_cpu.py [--config configs/small-cpu.yaml] [--dtypes float32,bfloat16]
                                   [--steps 8] [--repeats 1] [--against REV]
-                                  [--profile DIR] [--json OUT]
+                                  [--against-python PYTHON] [--profile DIR] [--json OUT]
 
 Each measurement is `europa-jax train` in a process of its own (the real loop: batches,
 step, metrics), the median step over steps 4..N (step 1 compiles, 2–3 warm up), as
 `benchmarks/maxtext_cpu.sh` measures MaxText. `--against REV` checks REV out into a
 temporary git worktree and measures it on the very same config file, alternating with
 this tree repetition by repetition, so both see the same machine load: these machines
-are noisy, only ratios measured in one run count. `--profile DIR` traces one step of this
+are noisy, only ratios measured in one run count. `--against-python` runs REV with another
+interpreter (a venv of REV's own dependencies, e.g. the jax stack before an upgrade); the
+default corpus is that interpreter's standard library, so give both the same corpus then
+(`--set data.source=prepared --set data.path=DIR`). `--profile DIR` traces one step of this
 tree (jax.profiler, Perfetto) and prints where its device time goes, by part of the
 model (profile_breakdown.py).
 """
@@ -48,12 +51,12 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 def run_train(tree: Path, config: Path, dtype: str, steps: int,
-              overrides: tuple[str, ...] = ()) -> dict:
-    """One `europa-jax train` of `tree`'s code on `config`: its step times (after the
-    compile and warm-up steps), median, and the run's final loss."""
+              overrides: tuple[str, ...] = (), python: str = sys.executable) -> dict:
+    """One `europa-jax train` of `tree`'s code by `python` on `config`: its step times
+    (after the compile and warm-up steps), median, and the run's final loss."""
     with tempfile.TemporaryDirectory(prefix="step_cpu-") as run_dir:
         env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
-        command = [sys.executable, "-m", "europa_jax.cli", "train", str(config), "--quiet",
+        command = [python, "-m", "europa_jax.cli", "train", str(config), "--quiet",
                    "--run-dir", run_dir, "--set", f"train.steps={steps}",
                    "--set", f"model.compute_dtype={dtype}", "--set", "train.log_every=1",
                    "--set", "train.eval_every=0", *(a for o in overrides for a in ("--set", o))]
@@ -128,6 +131,8 @@ def main() -> None:
                         help="a config override, for every tree measured")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--against", metavar="REV", help="also measure this git revision")
+    parser.add_argument("--against-python", metavar="PYTHON", default=sys.executable,
+                        help="the interpreter that runs REV (default: this one)")
     parser.add_argument("--profile", metavar="DIR", help="trace a step of this tree into DIR")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -144,14 +149,15 @@ def main() -> None:
     results = {"config": args.config, "host_matmul_peak_gflops": peak / 1e9,
                "model_gflops_per_step": step_flops / 1e9, "steps": args.steps, "runs": []}
     with tempfile.TemporaryDirectory(prefix="step_cpu-rev-") as scratch:
-        trees = {"this tree": ROOT}
+        trees = {"this tree": (ROOT, sys.executable)}
         if args.against:
-            trees = {args.against: checkout(args.against, Path(scratch) / "rev"), **trees}
+            trees = {args.against: (checkout(args.against, Path(scratch) / "rev"),
+                                    args.against_python), **trees}
         try:
             for dtype in dtypes:
                 for repeat in range(args.repeats):
-                    for name, tree in trees.items():  # alternating: the same load for both
-                        run = run_train(tree, config, dtype, args.steps, tuple(args.set))
+                    for name, (tree, python) in trees.items():  # alternating: same load
+                        run = run_train(tree, config, dtype, args.steps, tuple(args.set), python)
                         run.update(tree=name, compute_dtype=dtype, repeat=repeat,
                                    tokens_per_s=tokens / run["step_time_s"],
                                    mfu_vs_host_matmul_peak=step_flops / run["step_time_s"] / peak)
