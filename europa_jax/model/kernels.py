@@ -85,8 +85,8 @@ def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
 # the FLOPs, with nothing said. So every call names exactly one implementation, by this
 # rule: on a GPU, `tokamax` is the Mosaic GPU kernel on bf16 inputs (float32 ones are cast,
 # accumulation float32, the bf16 result cast back, as for attention) and `tokamax_triton`
-# the Triton one;
-# elsewhere tokamax's XLA reference (tests compare the kernels' plumbing on CPU with it).
+# the Triton one; elsewhere tokamax's XLA reference (tests compare the kernels' plumbing
+# on CPU with it).
 MOSAIC_INPUT_DTYPES = (jnp.bfloat16, jnp.float16)
 
 

@@ -38,7 +38,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     n = len(groups[0])
     k = input_offsets.shape[0]
     per_device = k // n
-    # members_G[g, p]: the axis index of position p of group g; my group's row
+    # members_GN[g, p]: the axis index of position p of group g; mine_N: my group's row
     members_GN = jnp.asarray(groups, jnp.int32)
     group_of = [0] * size
     for g, members in enumerate(groups):
