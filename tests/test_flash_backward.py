@@ -54,7 +54,7 @@ def test_attention_with_tokamax_forward_equals_its_own_vjp():
     """The custom VJP around a tokamax forward (its XLA op here; Mosaic GPU on Hopper,
     compiled in test_gpu_target.py): same output and row max, and gradients from the
     pairs equal to tokamax's own VJP of the whole row."""
-    kernels.import_tokamax()  # its absl flags first
+    kernels.import_tokamax()  # its log filter first
     from tokamax._src.ops.attention import api, base
 
     q, k, v, seg = packed()
