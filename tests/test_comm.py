@@ -121,6 +121,16 @@ def _moe_fn(mesh, moe, boxed, ctx):
     return _COMPILED[key]
 
 
+def assert_gradients_match_dense(ep, params, x, bias, cfg):
+    """The parameters' gradients of Σ sin(MoE output) on the mesh equal the dense
+    reference's."""
+    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
+    g_ep = grad(lambda p: ep(p, x, bias)[0])
+    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
+    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 ROUTINGS = {
     "random": lambda e: jnp.zeros(e),
     "all_to_one_expert": lambda e: jnp.zeros(e).at[5].set(100.0),
@@ -168,11 +178,7 @@ def test_chunked_expert_parallel_moe_equals_dense_reference(tiny_cfg, mesh):
     y, stats = ep(params, x, bias)
     np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
-    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
-    g_ep = grad(lambda p: ep(p, x, bias)[0])
-    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
-    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_gradients_match_dense(ep, params, x, bias, cfg)
 
 
 @pytest.mark.parametrize("routing", ["random", "all_to_one_device"])
@@ -190,11 +196,7 @@ def test_bounded_buffers_with_overflow_rounds_equal_dense_reference(tiny_cfg, me
     np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
     assert int(stats["overflow_rounds"]) > 0 and int(stats["dispatches"]) == 8
-    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
-    g_ep = grad(lambda p: ep(p, x, bias)[0])
-    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
-    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_gradients_match_dense(ep, params, x, bias, cfg)
 
 
 def test_group_limited_routing_sends_each_token_to_at_most_topk_group_devices(tiny_cfg, mesh):
@@ -288,8 +290,4 @@ def test_the_ragged_exchange_equals_the_dense_reference(tiny_cfg, mesh, routing)
     np.testing.assert_allclose(y, dense_reference(params, x, bias, cfg), rtol=1e-5, atol=1e-5)
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * 4
     assert int(stats["overflow_rounds"]) > 0
-    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
-    g_ep = grad(lambda p: ep(p, x, bias)[0])
-    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
-    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_gradients_match_dense(ep, params, x, bias, cfg)

@@ -17,7 +17,7 @@ from europa_jax.model.moe import route
 from europa_jax.parallel import sharding
 from europa_jax.plan import hardware, hlo_report, links, plan, step_time, step_work
 from europa_jax.plan.step_compile import collective_numbers
-from test_comm import ROUTINGS, _moe_fn, ctx_for, moe_setup
+from test_comm import ROUTINGS, _moe_fn, assert_gradients_match_dense, ctx_for, moe_setup
 from test_moe import dense_reference
 from conftest import config_path
 
@@ -53,11 +53,7 @@ def test_moe_over_an_expert_axis_across_nodes_equals_the_dense_reference(
         assert nodes.max() <= topk_group
     else:
         assert nodes.max() > 1
-    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
-    g_ep = grad(lambda p: ep(p, x, bias)[0])
-    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
-    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_gradients_match_dense(ep, params, x, bias, cfg)
 
 
 @pytest.mark.parametrize("devices_per_node,n_group,topk_group,routing,exchange", [
@@ -84,11 +80,7 @@ def test_two_stage_dispatch_equals_the_dense_reference(tiny_cfg, wide_mesh, devi
     assert int(stats["processed_copies"]) == int(stats["routed_copies"]) == 8 * 16 * K
     if routing == "all_to_one_device":  # dropless past the second stage's round 0
         assert int(stats["overflow_rounds"]) > 0
-    grad = lambda f: jax.grad(lambda p: jnp.sum(jnp.sin(f(p))))(params)
-    g_ep = grad(lambda p: ep(p, x, bias)[0])
-    g_ref = grad(lambda p: dense_reference(p, x, bias, cfg))
-    for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_gradients_match_dense(ep, params, x, bias, cfg)
     if exchange == "ragged":
         return  # the model's collectives are no GPU's: the links below are the dense ones'
     nodes = 8 // devices_per_node
