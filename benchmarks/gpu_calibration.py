@@ -27,7 +27,10 @@ import datetime
 import statistics
 import time
 
-from gpu_programs import Program
+from gpu_programs import OFFLOAD_BYTES, Program, inputs, offload_programs
+from gpu_regimes import (_impl, attention_inputs, grouped_passes, grouped_regime_shapes,
+                         model_attention)
+from gpu_shared import one_line
 
 C2C_BANDWIDTH = 450e9  # per direction (europa_jax/plan/hardware.py [jsc])
 # HBM peaks by device kind (vendor datasheets; gpu_target.TARGETS); a GH200 with more
@@ -53,8 +56,6 @@ def dense_shapes(model, tokens: int) -> dict[str, tuple[int, int, int]]:
 def grouped_shapes(model, tokens: int, impl: str) -> dict[str, dict]:
     """Windows of the shipped layout's size and of a quarter and a sixteenth of it (whole
     kernel tiles), each with its filled rows and experts."""
-    from gpu_regimes import grouped_regime_shapes
-
     window = grouped_regime_shapes(model, tokens, impl)["window"]
     out = {}
     for name, part in (("window", 1), ("quarter", 4), ("sixteenth", 16)):
@@ -68,9 +69,6 @@ def grouped_shapes(model, tokens: int, impl: str) -> dict[str, dict]:
 def programs(cfg, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
-
-    from gpu_programs import offload_programs, OFFLOAD_BYTES
-    from gpu_regimes import _impl, attention_inputs, grouped_passes, model_attention
 
     model, out, d = cfg.model, {}, cfg.model.d_model
     for name, (m, k, n) in dense_shapes(model, tokens).items():
@@ -148,8 +146,6 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
     A class that fails records its error; the others still count."""
     from europa_jax.model import flash_backward
     from europa_jax.model.attention import LIBRARY_SEQ_MULTIPLE, backward_chunk_for
-    from gpu_check import one_line
-    from gpu_programs import inputs
 
     device = mesh.devices.flat[0]
     peaks = {"bf16_flops": flops_peak, "hbm_bandwidth": hbm_peak(device),
@@ -180,8 +176,6 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
         return {"points": [_merged(size, rows) for size, rows in sorted(points.items())]}
 
     def grouped():
-        from gpu_regimes import _impl
-
         points = []
         for name, shape in grouped_shapes(model, tokens, _impl(mesh, smoke)).items():
             work = 3 * 2.0 * shape["filled"] * model.d_model * model.expert_ffn_dim

@@ -49,7 +49,6 @@ JSON is written too (the compile under "aot"). FLOPs follow flops.py: forward+ba
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -59,6 +58,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_programs
 import gpu_calibration  # noqa: E402
 import gpu_regimes  # noqa: E402
+from gpu_shared import gpu_driver_present, one_line, run_as_a_rank, section, timed  # noqa: E402
 from gpu_programs import (OFFLOAD_BYTES, Program, arg_sharding, attention_kernel,  # noqa: E402
                           attention_reference, check_config, inputs, layer_flops,
                           one_device_mesh)
@@ -73,31 +73,6 @@ def builders(cfg, tokens: int, smoke: bool) -> dict:
 
 # Dense bf16 peaks by device kind (hardware.py cites the Hopper figure).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
-
-
-def timed(fn, *args, repeats: int) -> float:
-    """Best wall time of `fn(*args)` after one compile-and-warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
-
-def section(results: dict, name: str, fn) -> None:
-    """Run one check; an exception (OOM, missing kernel) is recorded, not fatal."""
-    try:
-        results[name] = fn()
-    except Exception as e:  # noqa: BLE001 - the report must survive any one failure
-        results[name] = {"error": one_line(e)}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -299,27 +274,6 @@ def table(results: dict) -> str:
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"{name:<{width}}  {value:>10}  {note}" for name, value, note in rows]
                      + errors)
-
-
-def gpu_driver_present() -> bool:
-    """An NVIDIA GPU and its driver (Linux), seen without starting CUDA."""
-    return bool(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
-
-
-def run_as_a_rank() -> None:
-    """Before the GPU backend starts: XLA's share of HBM and compiler options as
-    launch/env.sh gives a rank and the GPU compile assumes (a variable already set wins):
-    the compiled program is the timed one, and its HBM is checked against that share.
-    jax's own share, 0.75, leaves an H100 64 GB, about what the layer needs."""
-    from europa_jax.plan import gpu_target
-
-    if not os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):  # jax refuses both names
-        os.environ.setdefault("XLA_CLIENT_MEM_FRACTION",
-                              str(gpu_target.TARGETS["gh200"].mem_fraction))
-    flags = os.environ.get("XLA_FLAGS", "")
-    ours = [f"--{k}={str(v).lower()}" for k, v in gpu_target.COMPILER_OPTIONS.items()
-            if f"--{k}=" not in flags]
-    os.environ["XLA_FLAGS"] = " ".join([*ours, flags]).strip()
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import tempfile
 import threading
 
 from gpu_programs import Program
+from gpu_shared import section, timed
 
 EXPERT_AXIS = 4  # europa-952b's expert parallelism: the rows a device of a node receives
 # Kernel names that are matrix multiplications (cuBLAS/cuBLASLt, CUTLASS, tokamax's Mosaic
@@ -267,7 +268,6 @@ def profiled(fn, args, repeats: int) -> dict:
     """Best wall time over `repeats`, then one traced run split by kernel class."""
     import jax
 
-    from gpu_check import timed
 
     seconds = timed(fn, *args, repeats=repeats)
     with tempfile.TemporaryDirectory(prefix="gpu_check-trace-") as trace_dir:
@@ -288,7 +288,6 @@ def check_moe_received(programs, model, tokens: int, mesh, repeats: int) -> dict
 
 
 def check_grouped_regime(programs, model, tokens: int, mesh, smoke: bool, repeats: int) -> dict:
-    from gpu_check import section, timed
     from gpu_programs import inputs
 
     out = {}
@@ -303,7 +302,6 @@ def check_grouped_regime(programs, model, tokens: int, mesh, smoke: bool, repeat
 
 
 def check_documents(programs, model, tokens: int, mesh, repeats: int) -> dict:
-    from gpu_check import section, timed
     from gpu_programs import inputs
 
     out = {"tokens": tokens, "backward_chunk": model.attention_backward_chunk}
@@ -316,7 +314,6 @@ def check_documents(programs, model, tokens: int, mesh, repeats: int) -> dict:
 
 
 def check_fp8(programs, tokens: int, smoke: bool, mesh, repeats: int) -> dict:
-    from gpu_check import section, timed
     from gpu_programs import inputs
 
     m, k, n = fp8_shape(tokens, smoke)
