@@ -282,6 +282,38 @@ def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
 
 
 @needs_toolchain
+def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_cfg, gpu_step):
+    """model.mtp_layers=1 compiles for GH200 and passes the kernel checks of the main
+    blocks; its module's block calls the same grouped-matmul and flash-attention kernels
+    (under its own op names), and the plan prices them: more of each than without MTP.
+    One thing it does not get: the module's saved input stays in HBM (XLA:GPU keeps the
+    input of a one-layer scanned stack on device although the policy offloads it, as for
+    the decoder stacks: gpu_cfg), so the offload check says so, short by exactly that."""
+    step = compile_for_gpu(gpu_cfg(tiny_cfg, mtp_layers=1))
+    facts, cfg, numbers = step["facts"], step["cfg"], step["numbers"]
+    checks = {c["path"]: c for c in gpu_program.kernel_checks(
+        cfg, numbers, facts, numbers["memory/host_argument"],
+        [{"op": k[0], "axes": k[1], "dtype": k[2]} for k in rows(numbers)])}
+    assert {path for path, c in checks.items() if not c["ok"]} == {"host offload"}, checks
+    assert checks["multi-token prediction"]["ok"], checks["multi-token prediction"]
+    module_input = cfg.data.seq_len * cfg.model.d_model * 2  # one row per device, bf16
+    assert numbers["host/activations"] - numbers["memory/host_temp"] == module_input
+    assert numbers["memory/host_temp"] == gpu_step["numbers"]["memory/host_temp"]
+    assert set(facts["mtp_kernels"]) >= set(gpu_program.MTP_KERNEL_CLASSES), facts["mtp_kernels"]
+    assert gpu_step["facts"]["mtp_kernels"] == {}  # the main model alone has none
+    for kind in gpu_program.MTP_KERNEL_CLASSES:
+        with_mtp = sum(facts["library_kernels"][kind].values())
+        without = sum(gpu_step["facts"]["library_kernels"][kind].values())
+        assert with_mtp > without, (kind, with_mtp, without)
+        # what the plan prices: the classes' runs (kernel_classes.summary)
+        runs = facts["kernel_classes"][kind]["runs"]
+        assert runs > gpu_step["facts"]["kernel_classes"][kind]["runs"], (kind, runs)
+    assert (facts["kernel_classes"]["grouped_gemm"]["flops"]
+            > gpu_step["facts"]["kernel_classes"]["grouped_gemm"]["flops"])
+    assert facts["dense_expert_buffers"] == [] and facts["dense_attention_buffers"] == []
+
+
+@needs_toolchain
 def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
     """The check can fail: tokamax's XLA path builds the [S, S] document mask."""
     cfg = without_offload(gpu_cfg(tiny_cfg, attention="tokamax_xla"))

@@ -131,10 +131,17 @@ def visible_attention(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
 
 
+# the MTP modules' op names (mtp.py: scanned `mtp_layers`, unrolled `mtp_layers_<k>`)
+MTP_SCOPE = "/mtp_layers"
+# what an MTP module's block runs, as the main model's MoE blocks do
+MTP_KERNEL_CLASSES = ("grouped_gemm", "attention_forward", "attention_backward")
+
+
 def program_facts(text: str, cfg: Config) -> dict:
     """What the kernel checks need from an optimized GPU program's text."""
     calls: dict[str, int] = {}  # custom calls by library kernel name, else by target
     library: dict[str, dict[str, int]] = {}  # kernel class → {kernel name: calls}
+    mtp: dict[str, int] = {}  # kernel class → calls inside the MTP modules
     for line in text.splitlines():
         if " custom-call(" not in line:
             continue
@@ -145,9 +152,12 @@ def program_facts(text: str, cfg: Config) -> dict:
         if kernel:
             library.setdefault(kernel[0], {}).setdefault(name, 0)
             library[kernel[0]][name] += 1
+            if MTP_SCOPE in line:
+                mtp[kernel[0]] = mtp.get(kernel[0], 0) + 1
     host_copies = sum(1 for line in text.splitlines()
                       if re.search(r"= \S.* copy-start\(", line) and HOST_MEMORY_SPACE in line)
-    return {"custom_calls": calls, "library_kernels": library, "host_copies": host_copies,
+    return {"custom_calls": calls, "library_kernels": library, "mtp_kernels": mtp,
+            "host_copies": host_copies,
             "dense_expert_buffers": dense_expert_buffers(text, cfg),
             "dense_attention_buffers": dense_attention_buffers(text, cfg)}
 
@@ -218,6 +228,16 @@ def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_stat
            or "no [seq, seq] buffer"),
         "ok": bool(attention) and not square,
     })
+    if cfg.model.mtp_layers:
+        mtp = facts["mtp_kernels"]
+        checks.append({
+            "path": "multi-token prediction", "configured": f"{cfg.model.mtp_layers} module(s)",
+            "expected": "the MTP blocks on the library kernels of the main blocks: "
+                        + ", ".join(MTP_KERNEL_CLASSES),
+            "found": ", ".join(f"{k} ×{v}" for k, v in sorted(mtp.items()))
+            or "no library kernel in the MTP modules",
+            "ok": all(mtp.get(k) for k in MTP_KERNEL_CLASSES),
+        })
     if host_state or numbers.get("host/activations"):
         host_args = numbers["memory/host_argument"]
         host_temp = numbers["memory/host_temp"]
