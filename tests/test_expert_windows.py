@@ -133,15 +133,16 @@ def test_the_triton_grouped_matmul_without_jax_triton_is_a_one_line_config_error
 
 def test_rows_a_kernel_leaves_unwritten_never_reach_another_kernel(monkeypatch):
     """tokamax's Mosaic GPU grouped matmul leaves the rows past its groups unwritten (NaN
-    in the Pallas GPU interpreter), and its weight-gradient kernel masks its lhs rows past
-    the groups but not its rhs ones. Both emulated on CPU around tokamax's XLA reference,
-    in windows of whole 128-row tiles mostly past the groups: values and gradients stay
-    the per-row reference's."""
+    in the Pallas GPU interpreter), and its weight-gradient kernel lets such rows of its
+    rhs into its sums. Emulated on CPU around tokamax's XLA reference, more harshly than
+    the kernel (whose contract, exactly, is tests/test_gpu_interpreter.py's stand-in): any
+    NaN rhs row past the groups poisons every expert's gradient. Windows of whole 128-row
+    tiles mostly past the groups: values and gradients stay the per-row reference's."""
     real = kernels.tokamax_ragged
 
     def emulated(impl, general=False, platform=None):
         fn = real(impl, general, platform)
-        if general:  # Σ over the tile's rows of lhsᵀ·rhs, lhs masked, rhs not: 0·NaN
+        if general:  # a NaN rhs row past the groups reaches every sum: 0·NaN
             def contract(lhs, rhs, sizes, *args, **kwargs):
                 past = (jnp.arange(rhs.shape[0]) >= sizes.sum())[:, None]
                 return fn(lhs, rhs, sizes, *args, **kwargs) + 0.0 * jnp.sum(

@@ -56,7 +56,7 @@ class Windows:
     window: int
     # whose kernels: taken while the forward is traced (the backward is traced after the
     # SPMD context that says it has been left)
-    platform: str = dataclasses.field(default_factory=kernels.current_platform)
+    platform: str = dataclasses.field(default_factory=lambda: kernels.current_platform())
 
     def __post_init__(self):
         if self.impl.startswith("tokamax"):  # whole kernel tiles
@@ -115,8 +115,9 @@ def matmul_kernel(impl: str, platform: str | None = None):
 
     def written(rows, w, sizes):
         # tokamax's Mosaic GPU kernel leaves the rows past the groups unwritten (whatever
-        # that memory held), and its weight-gradient kernel masks only its lhs rows past
-        # them: garbage there would reach every weight gradient of the window (0·NaN)
+        # that memory held); its weight-gradient kernel walks whole 128-row tiles and
+        # masks by multiplying (0·NaN = NaN): garbage there would reach the weight
+        # gradients of the experts whose last tile holds it (tests/test_gpu_interpreter.py)
         out = matmul(rows, w, sizes)
         return jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
 
