@@ -87,6 +87,29 @@ def test_a_kernel_reads_what_it_slices_and_writes_what_it_updates():
     assert "gemm" not in found and "ag" not in found and "host" not in found  # priced elsewhere
 
 
+ASYNC = HLO.split("ENTRY")[0] + """ENTRY %main (a: bf16[64,1024], b: f32[64,1024], k: s32[], y: f32[8,1024]) -> f32[64,1024] {
+  %a = bf16[64,1024]{1,0} parameter(0)
+  %b = f32[64,1024]{1,0} parameter(1)
+  %k = s32[] parameter(2)
+  %y = f32[8,1024]{1,0} parameter(3)
+  %slice-start = ((bf16[64,1024]{1,0}, s32[]), bf16[8,1024]{1,0}, u32[]) fusion-start(%a, %k), kind=kLoop, calls=%fused_slice
+  %slice-done = bf16[8,1024]{1,0} fusion-done(%slice-start)
+  %update-start = ((f32[64,1024]{1,0}, f32[8,1024]{1,0}, s32[]), f32[64,1024]{1,0}, u32[]) fusion-start(%b, %y, %k), kind=kLoop, calls=%fused_update
+  ROOT %update-done = f32[64,1024]{1,0} fusion-done(%update-start)
+}
+"""
+
+
+def test_an_async_fusion_moves_what_its_computation_does():
+    """XLA:GPU runs some slices and in-place updates as async fusions (`fusion-start`,
+    whose result tuple repeats the operands): the bytes are its computation's, not the
+    whole buffers of the tuple."""
+    found = {k.name: k for k in hbm_traffic.kernels(ASYNC)}
+    assert set(found) == {"slice-start", "update-start"}  # -done launches nothing
+    assert found["slice-start"].bytes_per_run == 2 * PIECE * 2 + 4
+    assert found["update-start"].bytes_per_run == 2 * PIECE * 4 + 4
+
+
 def test_loops_multiply_and_data_dependent_work_is_counted_apart():
     found = hbm_traffic.kernels(HLO)
     sure = [k for k in found if k.name == "piece" and not k.conditional]

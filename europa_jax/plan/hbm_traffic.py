@@ -9,7 +9,8 @@ bandwidth and costs bytes, not FLOPs. This reads them from the *optimized* GPU H
 - every launch of the program (hlo_program.py: each instruction of a computation that
   runs on the device, × its executions per step) that kernel_classes.py finds
   memory-bound is one kernel;
-- its bytes are what it reads plus what it writes. A fusion's operand is read whole,
+- its bytes are what it reads plus what it writes. A fusion's (or an async fusion's,
+  `fusion-start`, whose result tuple holds its operands too) operand is read whole,
   except where the fused computation only slices or gathers it (then the slices'
   bytes) or updates it in place (a dynamic-update-slice or scatter into the operand
   that becomes the output: only the update is written, nothing read). That is the
@@ -121,7 +122,7 @@ def kernel_bytes(mod: _Module, launch) -> KernelBytes:
     """The bytes one memory-bound launch reads and writes (module docstring)."""
     opcode, rest, shape = launch.opcode, launch.rest, launch.shape
     operands = mod.operands(rest)
-    if opcode == "fusion":
+    if opcode in ("fusion", "fusion-start"):  # -start: an async fusion, its -done no kernel
         kind = re.search(r"kind=k(\w+)", rest)
         n_bytes = _fusion_bytes(mod, mod.called(rest), operands, shape)
         label = f"fusion:{kind.group(1).lower() if kind else '?'}"
