@@ -9,6 +9,7 @@ import pytest
 from europa_jax.config import MeshConfig
 from europa_jax.data.corpus import CorpusWriter
 from europa_jax.plan import attention_cost
+from conftest import config_path
 
 S = 64
 
@@ -107,10 +108,10 @@ def test_kernel_pairs_are_the_kernels_count_of_every_row():
     np.testing.assert_allclose(bwd_C, causal)
 
 
-def test_the_backward_runs_the_chunk_pairs_any_row_of_its_call_sees():
+def test_each_row_of_a_call_runs_only_its_own_chunk_pairs():
     """A call of 4 rows (a node's, under context parallelism), one of them a whole-row
-    document: every row of the call runs the whole causal backward, the forward only its
-    own documents' tiles."""
+    document: that row runs the whole causal backward, the others only their own
+    documents' chunk pairs, as each would alone (flash_backward loops over rows)."""
     from europa_jax.data import packing
 
     s, tile, chunk = 512, 128, 128
@@ -119,16 +120,13 @@ def test_the_backward_runs_the_chunk_pairs_any_row_of_its_call_sees():
     fwd_B, bwd_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=4, ranks_per_call=4,
                                                tile=tile, chunk=chunk)
     causal = s * (s + 1) / 2
-    assert bwd_U.tolist() == [4 * causal]
-    assert fwd_B[0] == causal and (fwd_B[1:] < causal / 2).all()
     _, alone_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=4, ranks_per_call=1,
                                              tile=tile, chunk=chunk)
     assert alone_U[0] == causal and (alone_U[1:] < causal / 2).all()
-    # one rank of 4 rows in 2 microbatches: a call holds 2 rows, so the whole-row document
-    # costs its own call only
-    _, split_U = attention_cost.kernel_pairs(placed, seq_len=s, n_ranks=1, ranks_per_call=1,
-                                             tile=tile, chunk=chunk, microbatches=2)
-    assert split_U[0] == 2 * causal + sum(alone_U[2:])
+    assert bwd_U.tolist() == [alone_U.sum()]  # not 4 × causal, what the rows' union needs
+    diagonal = s // chunk * chunk * (chunk + 1) / 2  # 64-long documents: diagonal pairs only
+    assert alone_U[1:].tolist() == [diagonal] * 3
+    assert fwd_B[0] == causal and (fwd_B[1:] < causal / 2).all()
 
 
 def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):
@@ -145,3 +143,26 @@ def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):
     chunk = r["backward_chunk"]
     assert chunk == 128 and run["backward"]["worst_case"] == worst / (S * (S + 1)) * (
         chunk * (chunk + 1))
+
+
+def test_the_backward_loops_are_priced_at_the_trips_the_documents_make():
+    """The plan prices the memory-bound kernels of the attention backward's pair loop at
+    the trips the document model gives (as its FLOPs), not at one document per row."""
+    from europa_jax.config_loader import load_config
+    from europa_jax.plan import gpu_program
+
+    cfg = load_config(config_path("europa-952b.yaml"))
+    s, chunk = cfg.data.seq_len, cfg.model.attention_backward_chunk
+    x = s // chunk
+    op = "jit(train_step)/transpose(jvp())/attention/attention_kernel/while/body"
+
+    def pairs(per_row):
+        return {"kernel_pairs_per_gpu": {"backward": {"expected": per_row}}}
+
+    assert gpu_program.expected_trips(cfg)(op) == (x - 1) / 2  # one document per row
+    whole = s * (s + 1) / 2  # a causal row: every later query chunk, (X − 1)/2 a key chunk
+    assert gpu_program.expected_trips(cfg, pairs(whole))(op) == pytest.approx((x - 1) / 2)
+    diagonal = x * chunk * (chunk + 1) / 2  # short documents: no off-diagonal pair
+    assert gpu_program.expected_trips(cfg, pairs(diagonal))(op) == 0.0
+    assert gpu_program.expected_trips(cfg, pairs(diagonal + 4 * chunk**2))(op) == 4 / x
+    assert gpu_program.expected_trips(cfg, pairs(diagonal))("…/moe/while/body") == 0.0

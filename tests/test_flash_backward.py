@@ -87,18 +87,56 @@ def starts_of(lengths):
 
 
 def test_pairs_visited_skip_other_documents():
-    one = np.asarray(flash_backward.visited_pairs(starts_of([64]), 16))
+    one = np.asarray(flash_backward.visited_pairs(starts_of([64]), 16))[0]
     assert np.array_equal(one, np.tril(np.ones((4, 4), bool)))  # one document: all causal
-    aligned = np.asarray(flash_backward.visited_pairs(starts_of([16, 16, 32]), 16))
+    aligned = np.asarray(flash_backward.visited_pairs(starts_of([16, 16, 32]), 16))[0]
     # the 32-long document spans chunks 2-3: their pair; nothing else off the diagonal
     assert np.array_equal(aligned, np.eye(4, dtype=bool) | (np.eye(4, k=-1, dtype=bool)
                                                             & [[0], [0], [0], [1]]))
-    straddling = np.asarray(flash_backward.visited_pairs(starts_of([10, 54]), 16))
+    straddling = np.asarray(flash_backward.visited_pairs(starts_of([10, 54]), 16))[0]
     assert straddling.sum() == 4 + 3 + 2 + 1  # the second document reaches back to chunk 0
-    # a batch runs what any of its rows needs
+    # each row of a batch its own pairs: not what any of its rows needs
     both = np.asarray(flash_backward.visited_pairs(
         jnp.concatenate([starts_of([16, 16, 32]), starts_of([64])]), 16))
-    assert np.array_equal(both, one)
+    assert np.array_equal(both[0], aligned) and np.array_equal(both[1], one)
+
+
+# a node's rows (context parallelism hands a GPU all of them): packed documents, one
+# document across every chunk boundary, a short document then padding to the row's end
+# (padding is a document of its own, attention.pad_sequence)
+NODE_LENGTHS = ([16, 16, 32], [64], [7, 9, 48], [30, 34])
+
+
+def counting(pair_vjp):
+    """`pair_vjp` that counts its runs (a callback per run, loops included)."""
+    runs = []
+
+    def vjp(*args):
+        jax.debug.callback(lambda: runs.append(1))
+        return pair_vjp(*args)
+
+    return vjp, runs
+
+
+def test_each_row_runs_only_the_pairs_its_own_documents_need():
+    """Rows with different documents in one call: values and gradients of autodiff, and
+    the pairs run are the sum of each row's own (before, the rows ran the pairs any of
+    them needed: 4 × 10 here, where the rows need 5 + 10 + 7 + 8)."""
+    q, k, v, seg = packed(NODE_LENGTHS)
+    out, (m, l) = naive(q, k, v, seg)
+    dout = jax.random.normal(jax.random.key(3), out.shape)
+    want = jax.grad(lambda q, k, v: jnp.sum(naive(q, k, v, seg)[0] * dout),
+                    argnums=(0, 1, 2))(q, k, v)
+    starts = document_starts(seg)
+    pair_vjp, runs = counting(flash_backward.reference_pair_vjp(SCALE))
+    got = jax.jit(lambda *a: flash_backward.flash_backward(*a, chunk=16, pair_vjp=pair_vjp))(
+        m, l, out, dout, q, k, v, starts)
+    jax.effects_barrier()
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    per_row = np.asarray(flash_backward.visited_pairs(starts, 16)).sum(axis=(1, 2))
+    assert per_row.tolist() == [5, 10, 7, 8]
+    assert len(runs) == per_row.sum() == 30
 
 
 def test_fractions_the_plan_prices_attention_with():

@@ -249,6 +249,22 @@ def test_the_attention_backward_runs_chunk_pairs_with_the_document_bounds(long_t
 
 
 @needs_toolchain
+def test_over_the_node_each_row_runs_its_own_chunk_pairs(tiny_cfg):
+    """Context parallelism hands each GPU the node's 4 rows: the backward's pair kernels
+    run one row at a time (batch 1, in a loop over the rows), each row's off-diagonal
+    pairs in a loop of its own data trip count; no [S, S] buffer."""
+    cfg = long_rows(tiny_cfg, attention_context_parallel=True)
+    text = optimized_text(cfg)
+    calls = flash_vjp_calls(text)
+    assert calls and any(dynamic for _, dynamic in calls), [c[0][:200] for c in calls]
+    for line, _ in calls:
+        # its results [chunk, heads, width]: one row's (before: [4, chunk, heads, width])
+        results = re.findall(r"bf16\[([0-9,]+)\]", line.split("custom-call(", 1)[0])
+        assert results and {d.split(",")[0] for d in results} == {"128"}, line[:300]
+    assert gpu_program.dense_attention_buffers(text, cfg) == []
+
+
+@needs_toolchain
 def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
         tiny_cfg, long_text):
     """No kernel of the MoE layer touches a [ep · tokens · top_k, D] array (every row

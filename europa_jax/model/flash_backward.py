@@ -13,7 +13,9 @@ chunks of `chunk` positions, and the pairs no query of the chunk can see are nev
 for each key chunk j, the diagonal pair (j, j) (causal), then the query chunks i > j in
 order while chunk i's earliest key start is before chunk j's end (packed documents:
 starts never decrease along a row) — a loop with a run-time trip count, usually zero
-iterations for short documents. The pairs a batch runs are `visited_pairs`;
+iterations for short documents. Each row runs its own loops (a loop over a device's
+rows): rows run together would all run the pairs any one of them needs. The pairs a
+batch runs are `visited_pairs`;
 `kernel_pair_fraction` is the same count from document lengths, for the plan.
 
 `attention` wraps a forward that returns its softmax statistics (tokamax's op with
@@ -38,33 +40,49 @@ def chunk_count(s: int, chunk: int) -> int:
 
 
 def visible_after(k_start_BS, chunk: int) -> jax.Array:
-    """Per query chunk, its earliest key start over every row [X] (what bounds the key
-    chunks its queries see)."""
+    """Per row and query chunk, its earliest key start [B, X] (what bounds the key chunks
+    the chunk's queries see)."""
     b, s = k_start_BS.shape
-    return k_start_BS.reshape(b, chunk_count(s, chunk), chunk).min(axis=(0, 2))
+    return k_start_BS.reshape(b, chunk_count(s, chunk), chunk).min(axis=2)
 
 
 def visited_pairs(k_start_BS, chunk: int) -> jax.Array:
-    """[X, X] bool: the (query chunk, key chunk) pairs the backward runs."""
-    first_X = visible_after(k_start_BS, chunk)
-    x = first_X.shape[0]
+    """[B, X, X] bool: the (query chunk, key chunk) pairs the backward runs on each row."""
+    first_BX = visible_after(k_start_BS, chunk)
+    x = first_BX.shape[1]
     i, j = jnp.arange(x)[:, None], jnp.arange(x)[None, :]
-    return (j == i) | ((j < i) & (first_X[:, None] < (j + 1) * chunk))
+    return (j == i) | ((j < i) & (first_BX[:, :, None] < (j + 1) * chunk))
 
 
 def flash_backward(m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO, k_start_BS, *,
                    chunk: int, pair_vjp):
     """(dq, dk, dv) of causal attention masked by `k_start` (keys of a query: [k_start,
-    query]), run pair by pair (module docstring). m, l: the forward's row max of the
-    scaled logits and its softmax denominator [B, H, S].
-
-    A scan over key chunks j: the diagonal pair (j, j), then the later query chunks while
-    they see chunk j. dk, dv of chunk j sum in float32 in the loop and are written once;
-    dq sums over key chunks in a float32 [B, S, H, K] buffer, the only full-size one.
+    query]), run pair by pair (module docstring) and row by row: each row's own document
+    starts decide its pairs. (Rows run together would run the pairs any of them needs: on
+    a node sharing 4 rows, one whole-document row would cost all four a whole causal row.)
+    m, l: the forward's row max of the scaled logits and its softmax denominator [B, H, S].
     """
+    if q_BSHK.shape[0] == 1:
+        return _row_backward(m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO,
+                             k_start_BS, chunk=chunk, pair_vjp=pair_vjp)
+
+    def one_row(row):  # a loop over rows, not a vmap: a vmapped loop runs the longest's trips
+        grads = _row_backward(*(a[None] for a in row), chunk=chunk, pair_vjp=pair_vjp)
+        return tuple(g[0] for g in grads)
+
+    return jax.lax.map(one_row, (m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO,
+                                 k_start_BS))
+
+
+def _row_backward(m_BHS, l_BHS, out_BSHO, dout_BSHO, q_BSHK, k_BSHK, v_BSHO, k_start_BS, *,
+                  chunk: int, pair_vjp):
+    """flash_backward of one row (B = 1). A scan over key chunks j: the diagonal pair
+    (j, j), then the later query chunks while they see chunk j. dk, dv of chunk j sum in
+    float32 in the loop and are written once; dq sums over key chunks in a float32
+    [B, S, H, K] buffer, the only full-size one."""
     s = q_BSHK.shape[1]
     x = chunk_count(s, chunk)
-    first_X = visible_after(k_start_BS, chunk)
+    first_X = visible_after(k_start_BS, chunk)[0]
 
     def piece(t, i, axis=1):
         return jax.lax.dynamic_slice_in_dim(t, i * chunk, chunk, axis)
@@ -196,7 +214,7 @@ def kernel_pair_fraction(doc_lengths, seq_len: int, chunk: int, tile: int) -> di
         q1 = min(q0 + tile, seq_len)
         k0 = starts[q0] // tile * tile  # the tile-aligned earliest key the tile reads
         fwd += (q1 - q0) * (q1 - k0) - (q1 - q0) * (q1 - q0 - 1) / 2
-    pairs = np.asarray(visited_pairs(jnp.asarray(starts[None], jnp.int32), chunk))
+    pairs = np.asarray(visited_pairs(jnp.asarray(starts[None], jnp.int32), chunk))[0]
     n_diag = pairs.shape[0]
     bwd = n_diag * chunk * (chunk + 1) / 2 + (pairs.sum() - n_diag) * chunk * chunk
     return {"forward": float(min(1.0, fwd / causal)), "backward": float(bwd / causal)}

@@ -81,9 +81,9 @@ def global_batches(lengths_W: np.ndarray, batch_tokens: int, n: int, seed: int =
 
 
 def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_unit: int,
-               balance: bool, kernels: tuple[int, int, int] | None = None):
+               balance: bool, kernels: tuple[int, int] | None = None):
     """(pairs per rank [J], pairs per GPU of each unit [U]) of one global batch as the
-    balancer lays it out; with `kernels` = (tile, chunk, microbatches) also the pairs the
+    balancer lays it out; with `kernels` = (tile, chunk) also the pairs the
     kernels run per GPU of each unit, forward and backward ([U] each: `kernel_pairs`)."""
     placed = packing.pack(length_X, seq_len=seq_len, n_ranks=n_ranks, balance=balance,
                           ranks_per_unit=ranks_per_unit)
@@ -95,22 +95,21 @@ def unit_pairs(length_X: np.ndarray, *, seq_len: int, n_ranks: int, ranks_per_un
     unit_U = packing.rank_cost(rank_J, units) / ranks_per_unit
     if kernels is None:
         return rank_J, unit_U
-    tile, chunk, microbatches = kernels
+    tile, chunk = kernels
     fwd_B, bwd_U = kernel_pairs(placed, seq_len=seq_len, n_ranks=n_ranks,
-                                ranks_per_call=ranks_per_unit, tile=tile, chunk=chunk,
-                                microbatches=microbatches)
+                                ranks_per_call=ranks_per_unit, tile=tile, chunk=chunk)
     return rank_J, unit_U, (packing.rank_cost(fwd_B, units) / ranks_per_unit,
                             bwd_U / ranks_per_unit)
 
 
 def kernel_pairs(placed: packing.Placement, *, seq_len: int, n_ranks: int, ranks_per_call: int,
-                 tile: int, chunk: int, microbatches: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                 tile: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """(forward pairs per row [B], backward pairs per unit of `ranks_per_call` ranks [U])
     the attention kernels run on a laid-out batch: the count
     flash_backward.kernel_pair_fraction makes of one row, for every row at once. A
-    backward call holds the unit's rows of one microbatch (each rank's i-th share of its
-    rows, train.microbatches) and runs the chunk pairs any of them sees: chosen by their
-    earliest document start. `chunk` 0: no pairwise backward (whole causal triangles)."""
+    backward runs each row's own chunk pairs (flash_backward loops over a call's rows),
+    chosen by the row's document starts; a unit's GPUs share its rows' pairs. `chunk` 0:
+    no pairwise backward (whole causal triangles)."""
     length_Z = placed.length_Z.astype(np.int64)
     start_Z = np.cumsum(length_Z) - length_Z  # rows are full and in order: global offsets
     n_rows = int(length_Z.sum()) // seq_len
@@ -129,7 +128,6 @@ def kernel_pairs(placed: packing.Placement, *, seq_len: int, n_ranks: int, ranks
     fwd_B = np.bincount(row_Q, weights=n_Q * (q1_Q - k0_Q) - n_Q * (n_Q - 1) / 2,
                         minlength=n_rows)
     units, per_rank = n_ranks // ranks_per_call, n_rows // n_ranks
-    rows_per_call = ranks_per_call * per_rank // microbatches
     if not chunk:
         return fwd_B, np.full(units, ranks_per_call * per_rank * seq_len * (seq_len + 1) / 2)
     x = -(-seq_len // chunk)
@@ -138,12 +136,10 @@ def kernel_pairs(placed: packing.Placement, *, seq_len: int, n_ranks: int, ranks
                         doc_start(np.repeat(rows, x), np.tile(np.minimum(i_X * chunk,
                                                                          seq_len - 1), n_rows)
                                   ).reshape(n_rows, x), seq_len)
-    # rows are device-major: [unit, rank of the unit, microbatch, row of the share, chunk]
-    first_UMX = first_BX.reshape(units, ranks_per_call, microbatches,
-                                 per_rank // microbatches, x).min(axis=(1, 3))
-    off_UM = (i_X - first_UMX // chunk).sum(axis=-1)  # key chunks j < i a query sees
-    per_call_UM = x * chunk * (chunk + 1) / 2 + off_UM * float(chunk) ** 2
-    return fwd_B, rows_per_call * per_call_UM.sum(axis=1)
+    off_B = (i_X - first_BX // chunk).sum(axis=-1)  # key chunks j < i a query chunk sees
+    per_row_B = x * chunk * (chunk + 1) / 2 + off_B * float(chunk) ** 2
+    # rows are device-major: a unit's rows are consecutive
+    return fwd_B, per_row_B.reshape(units, ranks_per_call * per_rank).sum(axis=1)
 
 
 def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = LONG_TAIL,
@@ -165,7 +161,7 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     for length_X in global_batches(lengths_W, rows * seq, batches, seed):
         rank_J, unit_U, (fwd_U, bwd_U) = unit_pairs(
             length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
-            balance=cfg.data.balance, kernels=(tile, chunk, cfg.train.microbatches))
+            balance=cfg.data.balance, kernels=(tile, chunk))
         slowest.append(unit_U.max())
         # the unit whose kernels cost the most (a backward pair is 2.5 forward ones)
         u = int(np.argmax(fwd_U + BACKWARD_PER_FORWARD * bwd_U))
@@ -180,7 +176,7 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     # …and what the kernels run then (a sequence shorter than a chunk is padded to it)
     _, _, worst_run = unit_pairs(np.full(rows, seq), seq_len=seq, n_ranks=ranks,
                                  ranks_per_unit=unit, balance=False,
-                                 kernels=(tile, chunk, cfg.train.microbatches))
+                                 kernels=(tile, chunk))
     return {
         "documents": source, "batches": batches,
         "slowest_unit": "node" if unit > 1 else "rank",
