@@ -37,9 +37,11 @@ MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_
 HOST_MEMORY_SPACE = ":S(5)}"  # GPU layouts mark pinned host buffers with memory space 5
 
 
-def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]], dict]:
+def measure(cfg: Config, mesh, attention_pairs: dict | None = None
+            ) -> tuple[dict[str, float], dict[str, list[dict]], dict]:
     """Compile the step of `cfg` for the GPU mesh: numbers (flat, as step_compile's),
-    the largest buffers, and what the kernel checks read from the program."""
+    the largest buffers, and what the kernel checks read from the program; loops whose
+    trip count is data at `expected_trips(cfg, attention_pairs)`."""
     trainer = train.build_trainer(cfg, mesh)
     state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     # FLOPs are the lowered matmuls; a library attention kernel is one custom call that
@@ -63,7 +65,7 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
         "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
     })
     found = hlo_report.collectives(text, mesh, devices_per_node=cfg.mesh.devices_per_node,
-                                   dynamic_trips=expected_trips(cfg))
+                                   dynamic_trips=expected_trips(cfg, attention_pairs))
     # a ragged exchange sends the filled rows of its buffers only: at the expected fill
     numbers.update(collective_numbers(hlo_report.summarize(
         [c.scaled(exchange_fill(c, cfg)) if c.op == "ragged-all-to-all" else c
@@ -77,7 +79,7 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]],
     facts = program_facts(text, cfg)
     # every launch in one class (kernel_classes.py); the memory-bound ones' bytes
     mod = hlo_program.Module(text)
-    classified = kernel_classes.kernels(mod, expected_trips(cfg))
+    classified = kernel_classes.kernels(mod, expected_trips(cfg, attention_pairs))
     facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg))
     facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
                                                 for k in classified if k.kind == "memory_bound"])
@@ -98,18 +100,29 @@ def window_fill(cfg: Config) -> float:
     return min(1.0, tokens * cfg.model.top_k / how.windows.groups / how.windows.window)
 
 
-def expected_trips(cfg: Config):
+def expected_trips(cfg: Config, attention_pairs: dict | None = None):
     """Trip counts the plan expects of the step's loops whose count is data, under its own
-    assumptions: one document per row, so the attention backward's key chunk j pairs with
-    every later query chunk ((X − 1)/2 on average over j); MoE buffers sized at
-    `moe_buffer_factor` × their expected fill, so no overflow round or window runs."""
+    assumptions: the attention backward's key chunk j pairs with as many later query
+    chunks as a row's documents make it on average — from `attention_pairs`
+    (attention_cost.slowest_pairs: the backward pairs the costliest unit's GPU runs, as
+    the FLOPs are priced), else one document per row ((X − 1)/2 on average over j); MoE
+    buffers sized at `moe_buffer_factor` × their expected fill, so no overflow round or
+    window runs."""
     s, chunk = cfg.data.seq_len, attention.backward_chunk_for(
         cfg.data.seq_len, cfg.model.attention_backward_chunk)
     chunks = -(-s // chunk) if chunk else 1
+    off_diagonal = (chunks - 1) / 2
+    if attention_pairs and chunk:
+        # a GPU runs its rows' pairs (a node's rows for a quarter of the heads under
+        # context parallelism: the same count per GPU as its own rows)
+        rows = max(1, cfg.data.global_batch_size // cfg.mesh.n_devices)
+        per_row = attention_pairs["kernel_pairs_per_gpu"]["backward"]["expected"] / rows
+        diagonal = chunks * chunk * (chunk + 1) / 2
+        off_diagonal = max(0.0, per_row - diagonal) / chunk**2 / chunks
 
     def trips(op_name: str) -> float:
         if "/attention/" in op_name:
-            return (chunks - 1) / 2
+            return off_diagonal
         if "/moe/" in op_name:
             return 0.0
         return 1.0
