@@ -32,13 +32,14 @@ def inputs(assignment: str, dtype=jnp.float32, seed=0):
 
 
 def reference(x, experts, gates, w_gate, w_up, w_down):
-    """Each row through its chosen experts one by one, in float32."""
+    """Each row through its chosen experts one by one, in float32 (any sizes: also
+    test_gpu_interpreter's)."""
     f32 = lambda a: a.astype(jnp.float32)
     x, w_gate, w_up, w_down = map(f32, (x, w_gate, w_up, w_down))
 
     def row(x_D, e_U, g_U):
-        out = jnp.zeros(D)
-        for j in range(U):
+        out = jnp.zeros(w_down.shape[-1])
+        for j in range(e_U.shape[0]):
             e = jnp.maximum(e_U[j], 0)
             y = (jax.nn.silu(x_D @ w_gate[e]) * (x_D @ w_up[e])) @ w_down[e]
             out = out + jnp.where(e_U[j] >= 0, g_U[j], 0.0) * y

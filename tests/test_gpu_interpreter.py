@@ -37,6 +37,7 @@ tokamax = pytest.importorskip("tokamax")
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from europa_jax.model import expert_windows, kernels  # noqa: E402
+from test_expert_windows import reference  # noqa: E402 - the per-row float32 reference
 
 # Uninitialized memory reads NaN: the stand-in for whatever a GPU's unwritten rows hold.
 PARAMS = plgpu.InterpretGPUParams(uninitialized_memory="nan")
@@ -301,22 +302,6 @@ def _window_inputs(assignment: str, seed=0):
                             for _ in range(2))
     w_down_EFD = jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.bfloat16)
     return x_RD, jnp.asarray(experts_RU, jnp.int32), gates_RU, w_gate_EDF, w_up_EDF, w_down_EFD
-
-
-def reference(x_RD, experts_RU, gates_RU, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """Each row through its chosen experts one by one, in float32."""
-    f32 = lambda a: a.astype(jnp.float32)
-    x_RD, w_gate_EDF, w_up_EDF, w_down_EFD = map(f32, (x_RD, w_gate_EDF, w_up_EDF, w_down_EFD))
-
-    def row(x_D, e_U, g_U):
-        out_D = jnp.zeros(D)
-        for j in range(U):
-            e = jnp.maximum(e_U[j], 0)
-            y_D = (jax.nn.silu(x_D @ w_gate_EDF[e]) * (x_D @ w_up_EDF[e])) @ w_down_EFD[e]
-            out_D = out_D + jnp.where(e_U[j] >= 0, g_U[j], 0.0) * y_D
-        return out_D
-
-    return jax.vmap(row)(x_RD, experts_RU, gates_RU)
 
 
 def windows(platform: str, groups: int, window: int):
