@@ -214,4 +214,5 @@ def test_chunked_moe_equals_one_dispatch(moe_cfg, chunk):
     grad = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x, bias)[0])))(
         params)
     for a, b in zip(jax.tree.leaves(grad(chunked)), jax.tree.leaves(grad(whole))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        # float32 sums over other chunks, in another order: to 1e-5 of the leaf's scale
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
