@@ -52,6 +52,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_shared
+from gpu_programs import SMOKE_MODEL  # noqa: E402
 from gpu_shared import gpu_driver_present  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "europa-952b.yaml")
@@ -63,13 +64,12 @@ CONFIG = os.path.join(REPO, "configs", "europa-952b.yaml")
 FULL = ["model.n_layers=2", "model.n_dense_layers=0", "model.vocab_size=32768",
         "model.vocab_pad_multiple=128", "data.seq_len=2048",
         "model.attention_backward_chunk=2048"]
-# the same at gpu_programs.SMOKE_MODEL's widths, for CI
-TINY = ["model.n_layers=2", "model.n_dense_layers=1", "model.d_model=64", "model.n_heads=4",
-        "model.q_lora_rank=32", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
-        "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.dense_ffn_dim=128",
-        "model.expert_ffn_dim=32", "model.top_k=4", "model.attention_block_size=64",
-        "model.vocab_size=512", "model.vocab_pad_multiple=128", "model.param_pad_multiple=1",
-        "model.loss_chunk_tokens=0", "model.attention_backward_chunk=0", "data.seq_len=256"]
+# the same at gpu_check's smoke widths (gpu_programs.SMOKE_MODEL), for CI
+TINY = ["model.n_layers=2", "model.n_dense_layers=1",
+        *(f"model.{key}={value}" for key, value in SMOKE_MODEL.items()
+          if key != "n_routed_experts"),  # per device: overrides()
+        "model.param_pad_multiple=1", "model.loss_chunk_tokens=0",
+        "model.attention_backward_chunk=0", "data.seq_len=256"]
 # by tiny; routed top-8 (tiny: top-4) in europa-952b's 4 groups, two of them per token
 EXPERTS_PER_DEVICE = {False: 16, True: 8}
 COMMON = ["optim.warmup_steps=1",  # the first step already moves the weights
