@@ -36,9 +36,14 @@ def section(results: dict, name: str, fn) -> None:
         results[name] = {"error": one_line(e)}
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs this Linux machine's driver shows, seen without starting CUDA."""
+    return len(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
 def gpu_driver_present() -> bool:
     """An NVIDIA GPU and its driver (Linux), seen without starting CUDA."""
-    return bool(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
+    return gpu_count() > 0
 
 
 def run_as_a_rank() -> None:

@@ -30,7 +30,7 @@ environment, as a rank would. Exit status 1 when a comparison fails or a run is
 non-finite. The JSON holds every run's per-step numbers.
 
 Time on a GPU (estimated, not yet run): `europa-jax plan configs/europa-952b.yaml
---devices 1 --target h100` with these overrides compiles the one-GPU step in ~70 s on 2
+--devices 1 --target h100` with these overrides compiles the one-GPU step in ~80 s on 2
 CPU cores and prices it at ~0.2 s, 37.8 GB of HBM and 10.3 GB of host memory: it fits
 an H100. The CPU reference is the long pole: 105 TFLOP per step, 88 of them Muon's
 Newton–Schulz matmuls (one device orthogonalizes every matrix), so at ~1 TFLOP/s of a
@@ -53,7 +53,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_shared
 from gpu_programs import SMOKE_MODEL  # noqa: E402
-from gpu_shared import gpu_driver_present  # noqa: E402
+from gpu_shared import gpu_count, gpu_driver_present  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "europa-952b.yaml")
 # europa-952b at its widths, reduced so that the CPU reference of the same config takes
@@ -303,14 +303,6 @@ def run_parts(tiny: bool, gpu: bool, n_gpus: int, steps: int, cpu_timeout_s: flo
         results["exchange"] = exchanges(ragged, dense)
     results["single_device"] = single_device(device, cpu.result(cpu_timeout_s))
     return results
-
-
-def gpu_count() -> int:
-    try:
-        done = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
-        return len(done.stdout.strip().splitlines()) if done.returncode == 0 else 0
-    except OSError:
-        return 0
 
 
 def summary(results: dict) -> str:

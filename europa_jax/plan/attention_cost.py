@@ -32,6 +32,7 @@ from europa_jax.config import Config
 from europa_jax.data import packing
 from europa_jax.data.batch_plan import stream_chunk
 from europa_jax.model import attention
+from europa_jax.plan.step_time import BACKWARD_PER_FORWARD
 
 # The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
 # median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
@@ -39,8 +40,6 @@ from europa_jax.model import attention
 LONG_TAIL = ("long-tail model: 98 % log-normal (median 600 tokens, sigma 1.2), "
              "2 % Pareto from 4,096 tokens (alpha 1.6, cap 1,048,576)")
 DEFAULT_BATCHES = 32
-# FlashAttention's convention: a backward pass is 2.5 forward passes of FLOPs (step_time.py).
-BACKWARD_PER_FORWARD = 2.5
 
 
 def long_tail_lengths(n: int, seed: int = 0) -> np.ndarray:
