@@ -96,3 +96,31 @@ def test_training_loss_and_gradients_do_not_depend_on_the_chunk(tiny_cfg):
     np.testing.assert_allclose(loss16, loss0, rtol=1e-5)
     for g16, g0 in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads0)):
         np.testing.assert_allclose(g16, g0, rtol=1e-4, atol=1e-7)
+
+
+def test_the_heads_backward_gemms_run_in_the_compute_dtype():
+    """bf16 activations and head: the logits are f32, and so is their gradient, but the
+    two backward GEMMs take it in bf16 (a float32 operand would make XLA run them in TF32
+    at half the BF16 peak on a GPU) — and the gradients are those of the f32 cotangent
+    rounded to bf16."""
+    x_BSD, head_DV, targets_BS = inputs()
+    x_BSD, head_DV = x_BSD.astype(jnp.bfloat16), head_DV.astype(jnp.bfloat16)
+    loss = lambda x, h: jnp.sum(lm_head.token_nll(x, h, targets_BS, VOCAB, 16))
+    grad = jax.grad(loss, argnums=(0, 1))
+    text = jax.jit(grad).lower(x_BSD, head_DV).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 3  # forward (recomputed) and the two backward GEMMs
+    operand_types = [line.rsplit(":", 1)[1].split("->")[0] for line in dots]
+    assert all("f32" not in t and "bf16" in t for t in operand_types), operand_types
+    # the same as the plain transpose with the cotangent rounded to bf16
+    nll = lambda x, h: optax.softmax_cross_entropy_with_integer_labels(
+        lm_head.logits(x, h, VOCAB), targets_BS)
+    dlogits_BSV = jax.grad(lambda z: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
+        z, targets_BS)))(lm_head.logits(x_BSD, head_DV, VOCAB)).astype(jnp.bfloat16)
+    dx_BSD = jnp.einsum("bsv,dv->bsd", dlogits_BSV, head_DV,
+                        preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    dx, dh = grad(x_BSD, head_DV)
+    assert jax.grad(lambda x: jnp.sum(nll(x, head_DV)))(x_BSD).dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_BSD, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    assert dh.dtype == jnp.bfloat16 and not np.any(np.asarray(dh[:, VOCAB:], np.float32))
