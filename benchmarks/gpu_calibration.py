@@ -10,8 +10,9 @@ Each class of kernel the plan prices (europa_jax/plan/step_time.py) at what it m
   sixteenth of its rows: one point per rows per expert;
 - `attention_forward` / `attention_backward`: the model's flash attention on one
   65,536-token document with the model's heads, forward alone and forward+backward (the
-  backward is the difference), FLOPs by FlashAttention's convention at the pairs the
-  kernels run (flash_backward.kernel_pair_fraction), as the plan counts them;
+  backward is the difference), FLOPs at the pairs the kernels run
+  (flash_backward.kernel_pair_fraction), the backward's at the head dims' ratio
+  (step_time.backward_per_forward), as the plan counts them;
 - `memory_bound`: a triad and an RMSNorm on a [65,536, 7,168] bf16 activation, bytes
   read and written over the device's HBM peak;
 - `host_copy`: 1 GiB to and from pinned host memory, the slower way over 450 GB/s — on a
@@ -146,6 +147,7 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
     A class that fails records its error; the others still count."""
     from europa_jax.model import flash_backward
     from europa_jax.model.attention import LIBRARY_SEQ_MULTIPLE, backward_chunk_for
+    from europa_jax.plan import step_time
 
     device = mesh.devices.flat[0]
     peaks = {"bf16_flops": flops_peak, "hbm_bandwidth": hbm_peak(device),
@@ -202,7 +204,10 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
         if backward[0] <= 0:
             raise ValueError(f"forward+backward {both[0]:.3g} s is not slower than the "
                              f"forward {fwd[0]:.3g} s: no backward time to measure")
-        return {"efficiency": efficiency(2.5 * per_pass * run["backward"], backward,
+        # FLOPs as the plan prices them: the backward's five matmuls at the model's head
+        # dims (2.6 × the forward at MLA's 192/128)
+        ratio = step_time.backward_per_forward(model.qk_head_dim, model.v_head_dim)
+        return {"efficiency": efficiency(ratio * per_pass * run["backward"], backward,
                                          peaks["bf16_flops"])}
 
     def memory_bound():

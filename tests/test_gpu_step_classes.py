@@ -7,7 +7,8 @@ import re
 import pytest
 
 from europa_jax.parallel import offload
-from europa_jax.plan import gpu_program, gpu_target, hlo_report, kernel_classes, step_compile
+from europa_jax.plan import (critical_path, gpu_program, gpu_target, hlo_report, kernel_classes,
+                             step_compile)
 from europa_jax.train import train
 from test_gpu_target import gpu_cfg, needs_toolchain, optimized_text
 
@@ -108,3 +109,26 @@ def test_the_programs_gemm_flops_are_the_dots_it_was_written_with(cfg):
     assert {(w["k"], w["n"]) for w in windows} <= {(m.d_model, m.expert_ffn_dim),
                                                     (m.expert_ffn_dim, m.d_model)}
     assert sum(w["runs"] for w in windows) % m.n_moe_layers == 0
+
+
+@needs_toolchain
+def test_the_programs_collectives_fall_in_the_phases_the_estimate_charges(cfg, step_text):
+    """The tiny step on 2 nodes × 4: the MoE's and context parallelism's exchanges stay in
+    the node and wait on the compute stream; Muon's re-layout crosses nodes after the
+    backward; the step's first gathers and last reduce-scatters are there; every phase is
+    part of the program's collectives, and the layers' weight traffic is left to overlap."""
+    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
+    per_node = cfg.mesh.devices_per_node
+    phases = critical_path.phase_bytes(step_text, mesh, devices_per_node=per_node,
+                                       first_layers="dense_layers")
+    found = hlo_report.collectives(step_text, mesh, devices_per_node=per_node)
+    total = sum(c.bytes_per_device for c in found)
+    exchange = phases["in_layer_exchange"]
+    assert exchange["nvlink_bytes"] > 0 and exchange["infiniband_bytes"] == 0
+    assert phases["update_exchange"]["infiniband_bytes"] > 0
+    assert all(sum(phases[p].values()) > 0 for p in ("fill", "drain"))
+    charged = sum(sum(row.values()) for row in phases.values())
+    weights = sum(c.bytes_per_device for c in found
+                  if c.op in ("all-gather", "reduce-scatter") and "data" in c.axes)
+    assert charged < total and weights > sum(phases["fill"].values()) + sum(
+        phases["drain"].values())

@@ -193,3 +193,17 @@ ENTRY %main (a: f32[3,8,16], b: f32[3,16,4]) -> f32[3,8,4] {
     (k,) = kernel_classes.kernels(hlo)
     assert k.kind == "dense_gemm" and k.dims == (3, 8, 4, 16)
     assert k.flops_per_run == 2 * 3 * 8 * 4 * 16
+
+
+def test_a_gemm_runs_in_the_math_its_operands_and_precision_say():
+    """float32 operands at the default precision run on TF32 tensor cores (jax's default
+    on GPU), at HIGHEST in plain FP32; bf16 and fp8 operands in their own."""
+    line = ('custom-call(a, b), custom_call_target="__cublas$lt$matmul", backend_config='
+            '{"gemm_backend_config":{"precision_config":{"operand_precision":[%s],'
+            '"algorithm":"ALG_UNSET"}}}')
+    f32, bf16, fp8 = "f32[64,64]{1,0}", "bf16[64,64]{1,0}", "f8e4m3fn[64,64]{1,0}"
+    assert kernel_classes.gemm_math([f32, f32], line % '"DEFAULT","DEFAULT"') == "tf32"
+    assert kernel_classes.gemm_math([f32, f32], line % '"HIGHEST","HIGHEST"') == "fp32"
+    assert kernel_classes.gemm_math([bf16, bf16], line % '"DEFAULT","DEFAULT"') == "bf16"
+    assert kernel_classes.gemm_math([fp8, fp8], line % '"DEFAULT","DEFAULT"') == "fp8"
+    assert kernel_classes.gemm_math([f32, f32], 'x, "algorithm":"ALG_DOT_F32_F32_F32"') == "fp32"

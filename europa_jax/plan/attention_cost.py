@@ -32,7 +32,7 @@ from europa_jax.config import Config
 from europa_jax.data import packing
 from europa_jax.data.batch_plan import stream_chunk
 from europa_jax.model import attention
-from europa_jax.plan.step_time import BACKWARD_PER_FORWARD
+from europa_jax.plan.step_time import backward_per_forward
 
 # The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
 # median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
@@ -156,14 +156,15 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
         lengths_W = long_tail_lengths(int(batches * rows * seq / 1300) + 1, seed)
     tile = attention.LIBRARY_SEQ_MULTIPLE
     chunk = attention.backward_chunk_for(seq, cfg.model.attention_backward_chunk)
+    ratio = backward_per_forward(cfg.model.qk_head_dim, cfg.model.v_head_dim)
     slowest, mean, rank_ratio, node_ratio, run = [], [], [], [], []
     for length_X in global_batches(lengths_W, rows * seq, batches, seed):
         rank_J, unit_U, (fwd_U, bwd_U) = unit_pairs(
             length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
             balance=cfg.data.balance, kernels=(tile, chunk))
         slowest.append(unit_U.max())
-        # the unit whose kernels cost the most (a backward pair is 2.5 forward ones)
-        u = int(np.argmax(fwd_U + BACKWARD_PER_FORWARD * bwd_U))
+        # the unit whose kernels cost the most (a backward pair is ~2.5 forward ones)
+        u = int(np.argmax(fwd_U + ratio * bwd_U))
         run.append((fwd_U[u], bwd_U[u]))
         mean.append(rank_J.mean())
         rank_ratio.append(packing.max_over_mean(rank_J))

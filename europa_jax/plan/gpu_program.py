@@ -25,8 +25,8 @@ import jax
 from europa_jax.config import Config
 from europa_jax.model import attention, kernels, moe, moe_dispatch
 from europa_jax.parallel import sharding
-from europa_jax.plan import (exchange, gpu_target, hbm_traffic, hlo_program, hlo_report,
-                             kernel_classes)
+from europa_jax.plan import (critical_path, exchange, gpu_target, hbm_traffic, hlo_program,
+                             hlo_report, kernel_classes)
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -79,12 +79,28 @@ def measure(cfg: Config, mesh, attention_pairs: dict | None = None
     facts = program_facts(text, cfg)
     # every launch in one class (kernel_classes.py); the memory-bound ones' bytes
     mod = hlo_program.Module(text)
-    classified = kernel_classes.kernels(mod, expected_trips(cfg, attention_pairs))
+    trips = expected_trips(cfg, attention_pairs)
+    classified = kernel_classes.kernels(mod, trips)
     facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg))
     facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
                                                 for k in classified if k.kind == "memory_bound"])
     numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
+    numbers.update(critical_numbers(cfg, text, mod, mesh, classified, trips))
     return numbers, largest, facts
+
+
+def critical_numbers(cfg: Config, text: str, mod, mesh, classified, trips) -> dict[str, float]:
+    """What the step waits for besides its kernels' work (critical_path.py), as the
+    flat `critical/…` numbers step_work.critical_fields reads."""
+    first = "dense_layers" if cfg.model.n_dense_layers else "moe_layers"
+    phases = critical_path.phase_bytes(text, mesh, devices_per_node=cfg.mesh.devices_per_node,
+                                       first_layers=first, dynamic_trips=trips,
+                                       fill=lambda c: exchange_fill(c, cfg))
+    out = {f"critical/{name}/{link}": value for name, row in phases.items()
+           for link, value in row.items()}
+    out["critical/launches"] = sum(k.runs for k in classified)
+    out["critical/loop_trips"] = critical_path.loop_trips(mod, trips)
+    return out
 
 
 def window_fill(cfg: Config) -> float:

@@ -15,7 +15,11 @@ Peaks:
         NVLink 4 between every pair of GPUs, 300 GB/s per pair (150 GB/s per direction);
         4× InfiniBand NDR200 (ConnectX-7) per node; GH200 TDP 680 W.
 [h100]  NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
-        2:4 sparsity); the GH200 datasheet lists the same Hopper GPU.
+        2:4 sparsity), 495 dense TF32, 67 FP32 (no tensor cores); the GH200 datasheet lists
+        the same Hopper GPU.
+[tf32]  docs.jax.dev "Matmul precision": float32 dots at the default precision may run in
+        TF32 on recent GPUs; the optimized GPU program states each cuBLAS call's operand
+        precision (DEFAULT: TF32 for f32 operands; HIGHEST: full FP32).
 Efficiencies (H100 SXM unless noted; % of the peak above):
 [fastcu] github.com/pranjalssh/fast.cu, README "Benchmarks": cuBLAS BF16 on H100 SXM,
         8192³ 797.8 TFLOP/s (80.7 %), 6144³ 741.1 (74.9 %).
@@ -58,6 +62,14 @@ Efficiencies (H100 SXM unless noted; % of the peak above):
         compute kernels; launch/env.sh caps them at NCCL_MAX_CTAS=16 of the 132 SMs.
         arXiv 2507.03114: compute overlapped with communication ran 18.9 % slower on
         average (40 % at most) on 4× H100.
+[while] openxla/xla, xla/backends/gpu/runtime/while_thunk.cc: a loop whose trip count is
+        not known at compile time copies its condition to the host and blocks the host
+        until the stream is done (`BlockHostUntilDone`) on every trip, so the GPU drains its
+        queue and waits for the host to launch the next kernels.
+[graphs] NVIDIA Technical Blog, "Getting Started with CUDA Graphs": back-to-back short
+        kernels pay a launch overhead of the order of microseconds each, which a CUDA graph
+        (XLA's command buffers) cuts. No GH200 figure is published: assumed until
+        gpu_check measures it.
 [e2e]   For scale, not used: DeepSeek-V3 pretraining on 1,024 H100 in BF16 reached 216
         TFLOP/s/GPU (22 % of 989; NeMo AutoModel performance summary); 338 TFLOP/s/GPU is
         Megatron-Bridge's FP8 figure (NeMo 25.09 performance summary).
@@ -89,6 +101,26 @@ class Efficiency:
         if not 0 < self.low <= self.expected <= self.high <= 1:
             raise ConfigError(f"efficiency {self.low}/{self.expected}/{self.high} "
                               f"({self.source}): expected 0 < low ≤ expected ≤ high ≤ 1")
+
+    def at(self, case: str) -> float:
+        return getattr(self, case)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overhead:
+    """Seconds an event costs the compute stream (a kernel launch's gap, a loop trip's
+    host round trip): a range, slow end (`low` case) first, and where it is from."""
+
+    low: float
+    expected: float
+    high: float
+    source: str
+
+    def __post_init__(self):
+        if not self.low >= self.expected >= self.high >= 0:
+            raise ConfigError(f"overhead {self.low}/{self.expected}/{self.high} s "
+                              f"({self.source}): expected low ≥ expected ≥ high ≥ 0 "
+                              "(the low case is the slow end)")
 
     def at(self, case: str) -> float:
         return getattr(self, case)
@@ -136,7 +168,7 @@ class Hardware:
     # What each class of kernel reaches of those peaks (kernel_classes.py, step_time.py).
     dense_gemm: Curve  # by the GEMM's smallest dimension (M, N or K)
     grouped_gemm: Curve  # by rows per expert of a window
-    attention_forward: Efficiency  # FLOPs by FlashAttention's convention (step_time.py)
+    attention_forward: Efficiency  # of the FLOPs the kernels' pairs take (step_time.py)
     attention_backward: Efficiency
     memory_bound: Efficiency  # of HBM bandwidth
     host_copy: Efficiency  # of C2C bandwidth, each way
@@ -144,6 +176,18 @@ class Hardware:
     infiniband: Efficiency
     # The share of compute speed kept while NCCL's kernels hold SMs beside it.
     overlap_compute: Efficiency
+    # Peaks of float32 GEMMs over the BF16 peak: TF32 tensor cores (precision DEFAULT)
+    # and plain FP32 (HIGHEST) [h100], [tf32].
+    tf32_per_bf16: float = 0.5
+    fp32_per_bf16: float = 67.0 / 989.0
+    # What the compute stream loses per kernel launch and per trip of a loop whose trip
+    # count is data (step_time.py's chain lines).
+    launch_gap: Overhead = Overhead(low=4e-6, expected=2e-6, high=1e-6, source=(
+        "[graphs] µs-order launch overhead of back-to-back kernels; XLA's command buffers "
+        "cut it (assumed, unmeasured on GH200)"))
+    loop_trip_sync: Overhead = Overhead(low=40e-6, expected=20e-6, high=10e-6, source=(
+        "[while] each trip copies the predicate to the host and blocks: a device→host round "
+        "trip and the launch queue refilled (assumed, unmeasured on GH200)"))
     calibration: str = "assumed from the sources in plan/hardware.py (no GPU measured)"
 
     def nvlink_bandwidth(self, peers: int) -> float:
@@ -159,7 +203,7 @@ class Hardware:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, Efficiency):
+            if isinstance(value, (Efficiency, Overhead)):
                 out[f.name] = dataclasses.asdict(value)
             elif isinstance(value, Curve):
                 out[f.name] = {"by": "smallest GEMM dimension" if f.name == "dense_gemm"

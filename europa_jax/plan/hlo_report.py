@@ -51,6 +51,7 @@ class Collective:
     bytes_per_device: float  # per execution × executions per step
     count: float  # executions per step (expected, for loops whose trip count is data)
     infiniband_bytes: float = 0.0  # the part of bytes_per_device between nodes (links.py)
+    op_name: str = ""  # jax's name of the op (metadata), which says its phase
 
     def scaled(self, factor: float) -> "Collective":
         """The same collective carrying `factor` of its bytes (a ragged exchange's fill)."""
@@ -267,7 +268,8 @@ def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None,
             for dtype, result_bytes in _bytes_by_dtype(_result_shape(match.group(2),
                                                                      match.group(1))).items():
                 moved = _moved_bytes(op, result_bytes, n) * times
-                found.append(Collective(op, axes, dtype, moved, times, moved * between))
+                found.append(Collective(op, axes, dtype, moved, times, moved * between,
+                                        _op_name(line)))
     return found
 
 

@@ -3,8 +3,9 @@
 The step's time is not one efficiency times its FLOPs: its kernels are of kinds whose
 speed is set by different things. A launch of the program (hlo_program.py) is
 - `dense_gemm`: a cuBLAS call (or a fusion that wraps one): its shape from the operands
-  and the dot dimensions, 2·batch·M·N·K FLOPs, and the bytes of its operands and result
-  (a skinny GEMM is bound by them, not by FLOPs);
+  and the dot dimensions, 2·batch·M·N·K FLOPs, the bytes of its operands and result
+  (a skinny GEMM is bound by them, not by FLOPs), and the math it runs in (`gemm_math`:
+  float32 operands run on TF32 tensor cores, or in plain FP32 at HIGHEST precision);
 - `grouped_gemm`: a library grouped matmul (tokamax's ragged dot): rows W over G experts
   of one window, K × N each; 2·W·K·N FLOPs for the rows it holds (the caller says how
   full a window is expected to be);
@@ -68,6 +69,7 @@ class Kernel:
     dims: tuple[int, ...] = ()  # dense (batch, M, N, K); grouped (W, G, K, N);
     #                             attention (batch, seq, heads, d_qk, d_v)
     to_host: bool = False  # host copies: the direction
+    math: str = ""  # dense GEMMs: bf16, tf32, fp32 or fp8 (gemm_math)
 
     @property
     def runs(self) -> float:
@@ -104,6 +106,21 @@ def gemm_dims(mod: Module, shape: str, rest: str, line: str) -> tuple[int, int, 
     batch = math.prod(lhs[int(d)] for d in numbers["lhs_batch_dimensions"])
     m = math.prod(lhs) // (batch * k)
     return batch, m, math.prod(out) // (batch * m), k
+
+
+def gemm_math(operand_shapes: list[str], line: str) -> str:
+    """The arithmetic a GEMM runs in: float32 operands on TF32 tensor cores at the default
+    precision (jax's default on GPU) or in plain FP32 when the call asks for HIGHEST (or
+    an F32 dot algorithm); FP8 operands in FP8; else BF16 (hardware.py [tf32])."""
+    dtypes = {dt for shape in operand_shapes for dt, _ in array_dims(first_array(shape))}
+    if "f32" in dtypes:
+        precision = re.search(r'"operand_precision":\[([^\]]*)\]', line)
+        exact = ((precision and "HIGHEST" in precision.group(1))
+                 or "ALG_DOT_F32_F32_F32" in line)
+        return "fp32" if exact else "tf32"
+    if dtypes & {"f8e4m3fn", "f8e5m2"}:
+        return "fp8"
+    return "bf16"
 
 
 def dot_dims(mod: Module, launch: Launch) -> tuple[int, int, int, int]:
@@ -227,7 +244,7 @@ def classify(mod: Module, launch: Launch) -> Kernel | None:
         operands = [mod.shape.get(o, "") for o in mod.operands(gemm[1])[:2]]
         moved = sum(map(array_bytes, operands)) + array_bytes(first_array(gemm[0]))
         return Kernel(launch, "dense_gemm", 2.0 * batch * m * n * k, float(moved),
-                      (batch, m, n, k))
+                      (batch, m, n, k), math=gemm_math(operands, gemm[2]))
     if opcode == "dot":  # a dot XLA left to itself (not seen with cuBLAS GEMMs on)
         batch, m, n, k = dot_dims(mod, launch)
         return Kernel(launch, "dense_gemm", 2.0 * batch * m * n * k, 0.0, (batch, m, n, k))
@@ -270,7 +287,8 @@ def summary(found: list[Kernel], grouped_fill: float = 1.0) -> dict:
         row["flops"] += k.flops_per_run * k.runs * fill
         row["bytes"] += k.bytes_per_run * k.runs
         if k.kind in ("dense_gemm", "grouped_gemm"):
-            runs_bytes = (dense if k.kind == "dense_gemm" else grouped)[k.dims]
+            key = (k.dims, k.math) if k.kind == "dense_gemm" else k.dims
+            runs_bytes = (dense if k.kind == "dense_gemm" else grouped)[key]
             runs_bytes[0] += k.runs
             runs_bytes[1] += k.bytes_per_run * k.runs
         elif k.kind.startswith("attention"):
@@ -279,9 +297,10 @@ def summary(found: list[Kernel], grouped_fill: float = 1.0) -> dict:
             to_host += k.bytes_per_run * k.runs if k.to_host else 0.0
             to_device += 0.0 if k.to_host else k.bytes_per_run * k.runs
     out["dense_gemm"]["shapes"] = sorted(
-        ({"batch": b, "m": m, "n": n, "k": kk, "runs": runs, "bytes": moved,
-          "flops": 2.0 * b * m * n * kk * runs} for (b, m, n, kk), (runs, moved) in
-         dense.items() if runs), key=lambda r: -r["flops"])
+        ({"batch": b, "m": m, "n": n, "k": kk, "math": math or "bf16", "runs": runs,
+          "bytes": moved, "flops": 2.0 * b * m * n * kk * runs}
+         for ((b, m, n, kk), math), (runs, moved) in dense.items() if runs),
+        key=lambda r: -r["flops"])
     out["grouped_gemm"]["windows"] = sorted(
         ({"rows": w, "experts": g, "k": kk, "n": n, "runs": runs, "bytes": moved,
           "fill": grouped_fill, "rows_per_expert": w * grouped_fill / g,

@@ -260,7 +260,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         if classes:
             return step_work.from_program(
                 cfg, classes, attention, rows, update_bytes=update_bytes, pairs=pairs,
-                memory_bytes=numbers.get("hbm/non_gemm_priced", 0.0))
+                memory_bytes=numbers.get("hbm/non_gemm_priced", 0.0), critical=numbers)
         return step_work.from_config(cfg, attention, rows, tokens_per_device=tokens / n_dev,
                                      optimizer_flops=optimizer, host_bytes=host_total,
                                      update_bytes=update_bytes, pairs=pairs)
@@ -268,7 +268,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
     def estimate(pairs: str, rows: list[dict], flops_of_model: float, **kw):
         done = step_time.estimate(work(pairs, rows, **kw), machine,
                                   tokens_per_device=tokens / n_dev, model_flops=flops_of_model)
-        return {k: v for k, v in done.items() if k not in ("by_class", "range", "gemms")}, done
+        return {k: v for k, v in done.items()
+                if k not in ("by_class", "range", "gemms", "lines")}, done
 
     as_compiled, priced = estimate("expected", charged, model_flops)
     worst_case, worst_priced = estimate("worst_case", charged,
@@ -325,6 +326,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
             "as_compiled": as_compiled,
             # the step per class of kernel at each end of the efficiency ranges
             "by_class": by_class,
+            # what the overlap model leaves out, each with its source (step_time.py)
+            "lines": priced["lines"],
             "range": priced["range"],
             # the GEMM shapes and windows that take longest, each with its efficiency
             "gemms": priced["gemms"],

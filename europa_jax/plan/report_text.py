@@ -204,8 +204,9 @@ def _step_table(r: dict[str, Any]) -> list[str]:
             lines += [f"    {_s(g['seconds']):>9}  {g['shape']:<44} {_flop(g['flops']).strip():>16}"
                       f"  {g['efficiency']:.0%} at {g['size']:,.0f}"
                       + (", bound by its bytes" if g["bound"] == "HBM" else "") for g in rows[:4]]
+    lines += _lines(e.get("lines") or {})
     rng = e["range"]
-    lines += [f"  {'step (overlap model)':<46}"
+    lines += [f"  {'step (overlap model + the lines above)':<46}"
               + "".join(f"{_s(rng[c]['step_s']):>10}" for c in ("low", "expected", "high")),
               f"  tokens/s/GPU {rng['low']['tokens_per_s_per_gpu']:,.0f} – "
               f"{rng['high']['tokens_per_s_per_gpu']:,.0f}, expected "
@@ -213,6 +214,31 @@ def _step_table(r: dict[str, Any]) -> list[str]:
               f"{rng['low']['mfu']:.1%} – {rng['high']['mfu']:.1%})",
               f"  overlap model: {e['overlap_model']}"]
     return lines
+
+
+LINE_LABELS = {"tf32_gemms": "float32 GEMMs in TF32 (in dense)",
+               "mla_backward_ratio": "MLA backward ratio (in attention)",
+               "kernel_launches": "kernel launches (chain)",
+               "loop_trip_syncs": "data-dependent loop trips (chain)",
+               "in_layer_exchange": "in-layer exchanges (chain)",
+               "update_exchange": "optimizer collectives (serial)",
+               "fill_drain": "first gathers, last reduce-scatters (serial)"}
+
+
+def _lines(lines: dict) -> list[str]:
+    """The named lines the overlap model leaves out (step_time.py), with their sources."""
+    if not lines:
+        return []
+    out = ["  what the overlap model leaves out (included in the step below):"]
+    for name, row in lines.items():
+        sec = row["seconds"]
+        amount = (f"{row['count']:,.0f}" if "count" in row else
+                  size(row["nvlink_bytes"] + row["infiniband_bytes"])
+                  if "nvlink_bytes" in row else "")
+        out.append(f"    {LINE_LABELS.get(name, name):<44}{amount:>12}{_s(sec['low']):>10}"
+                   f"{_s(sec['expected']):>10}{_s(sec['high']):>10}")
+        out.append(f"      {row['source']}")
+    return out
 
 
 # The efficiency (hardware.py) and the peak each byte-priced class is read against.

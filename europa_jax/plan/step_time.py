@@ -8,9 +8,12 @@ expected and high end of its range:
   dimension), bytes / (HBM bandwidth · memory efficiency)) — a skinny GEMM is bound by
   its operands;
 - grouped GEMMs, window by window: the same, at the efficiency of its rows per expert;
+- dense GEMMs in float32 at the TF32 peak (half BF16's), or the FP32 one at HIGHEST
+  precision (kernel_classes.gemm_math);
 - flash attention forward and backward: the pairs the kernels run (masked ones included)
-  × FLOPs per pair by FlashAttention's convention (forward 2·(d_qk + d_v) per head,
-  backward 2.5 × forward), the convention its published efficiencies use;
+  × FLOPs per pair: forward 2·(d_qk + d_v) per head, backward its five matmuls,
+  2·(3·d_qk + 2·d_v) — FlashAttention's 2.5 × forward at equal head dims, 2.6 × at MLA's
+  192/128 (`backward_per_forward`);
 - memory-bound kernels (XLA's fusions, copies, sorts): their HBM bytes; the optimizer
   update: the state it reads and writes;
 - host copies: the larger direction over NVLink-C2C (both directions run at once);
@@ -21,8 +24,19 @@ SMs and run one after another (the compute stream, C). Collectives run on their 
 streams beside it, but NCCL's kernels hold SMs while they run (NCCL_MAX_CTAS): compute
 keeps `overlap_compute` of its speed for as long as the busier link L = max(NVLink,
 InfiniBand) is busy, so the stream takes C/keep if it ends first, else C + L·(1 − keep).
-Host copies run on the copy engines. step = max(compute stream, L, C2C). `serial` adds
-everything up: the bound if nothing overlapped.
+Host copies run on the copy engines. step = max(compute stream, L, C2C) + the serial
+phases. `serial` adds everything up: the bound if nothing overlapped.
+
+What the overlap model leaves out, each a named line (`CHAIN`, `SERIAL`; the GPU
+program's phases and counts, critical_path.py):
+- on the compute stream's chain: the kernel launches (a gap each, hardware.launch_gap),
+  the host round trip of every trip of a loop whose trip count is data
+  (hardware.loop_trip_sync), and the in-layer exchanges whose results the next kernels
+  need (the MoE's dispatch and combine, context parallelism's exchanges), at their
+  link's speed;
+- serial, beside nothing: the optimizer update's collectives (Muon's re-layout) and the
+  step's first weight gathers and last gradient reduce-scatters, at the slower of their
+  links; their bytes leave the overlapped links' total.
 """
 
 from __future__ import annotations
@@ -40,15 +54,26 @@ COMPUTE = ("dense_gemm", "grouped_gemm", "attention_forward", "attention_backwar
            "memory_bound", "optimizer_update")
 LINKS = ("nvlink", "infiniband")
 CLASSES = COMPUTE + ("host_copy",) + LINKS
-BACKWARD_PER_FORWARD = 2.5  # FlashAttention's FLOP convention (FA2/FA3 papers)
+CHAIN = ("kernel_launches", "loop_trip_syncs", "in_layer_exchange")
+SERIAL = ("update_exchange", "fill_drain")
+LINES = CHAIN + SERIAL
+PEAK_SHARE = {"bf16": 1.0, "fp8": 1.0}  # FP8 GEMMs priced at BF16's until measured
+
+
+def backward_per_forward(d_qk: int, d_v: int) -> float:
+    """Attention backward FLOPs over forward ones per pair: S = QKᵀ again (d_qk), dV = PᵀdO
+    (d_v), dP = dO·Vᵀ (d_v), dQ = dS·K and dK = dSᵀQ (d_qk each) over the forward's QKᵀ
+    and PV: (3·d_qk + 2·d_v) / (d_qk + d_v) — 2.5 at equal dims (FlashAttention's
+    convention), 2.6 at MLA's 192/128."""
+    return (3.0 * d_qk + 2.0 * d_v) / (d_qk + d_v)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepWork:
     """What one GPU does in one step, before any efficiency."""
 
-    # (shape, smallest dim, FLOPs, bytes) per GEMM shape; (window, rows per expert, FLOPs,
-    # bytes) per grouped-GEMM window
+    # (shape, smallest dim, FLOPs, bytes[, math]) per GEMM shape (math: kernel_classes.
+    # gemm_math, BF16 if absent); (window, rows per expert, FLOPs, bytes) per grouped window
     dense_gemms: tuple[tuple[str, float, float, float], ...]
     grouped_gemms: tuple[tuple[str, float, float, float], ...]
     attention_forward_flops: float
@@ -60,16 +85,25 @@ class StepWork:
     nvlink_bytes: float
     nvlink_peers: int
     infiniband_bytes: float
+    # critical_path.py: kernel launches and data-dependent loop trips per step; the
+    # (NVLink, InfiniBand) bytes of the in-layer exchanges, the update's collectives and
+    # the first gathers + last reduce-scatters (their bytes are in the totals above too)
+    attention_backward_ratio: float = 2.5  # backward_per_forward of the model's head dims
+    launches: float = 0.0
+    loop_trips: float = 0.0
+    in_layer_exchange_bytes: tuple[float, float] = (0.0, 0.0)
+    update_exchange_bytes: tuple[float, float] = (0.0, 0.0)
+    fill_drain_bytes: tuple[float, float] = (0.0, 0.0)
 
     def flops(self, kind: str) -> float:
-        return {"dense_gemm": sum(f for _, _, f, _ in self.dense_gemms),
-                "grouped_gemm": sum(f for _, _, f, _ in self.grouped_gemms),
+        return {"dense_gemm": sum(row[2] for row in self.dense_gemms),
+                "grouped_gemm": sum(row[2] for row in self.grouped_gemms),
                 "attention_forward": self.attention_forward_flops,
                 "attention_backward": self.attention_backward_flops}.get(kind, 0.0)
 
     def bytes(self, kind: str) -> float:
-        return {"dense_gemm": sum(b for _, _, _, b in self.dense_gemms),
-                "grouped_gemm": sum(b for _, _, _, b in self.grouped_gemms),
+        return {"dense_gemm": sum(row[3] for row in self.dense_gemms),
+                "grouped_gemm": sum(row[3] for row in self.grouped_gemms),
                 "memory_bound": self.memory_bytes, "optimizer_update": self.update_bytes,
                 "host_copy": self.to_host_bytes + self.to_device_bytes,
                 "nvlink": self.nvlink_bytes, "infiniband": self.infiniband_bytes}.get(kind, 0.0)
@@ -81,11 +115,28 @@ def attention_flops(pairs_per_gpu: float, *, heads: int, d_qk: int, d_v: int, la
     return 2.0 * (d_qk + d_v) * heads * layers * pairs_per_gpu
 
 
-def gemm_seconds(rows, curve, hw: Hardware, case: str) -> list[float]:
+def peak_share(hw: Hardware, math: str) -> float:
+    """A GEMM's FLOP peak over BF16's for the math it runs in (kernel_classes.gemm_math)."""
+    return {"tf32": hw.tf32_per_bf16, "fp32": hw.fp32_per_bf16}.get(math, PEAK_SHARE.get(
+        math, 1.0))
+
+
+def gemm_seconds(rows, curve, hw: Hardware, case: str, *, math: bool = True) -> list[float]:
     """Each GEMM shape's (or window's) seconds: the roofline of its FLOPs at the curve's
-    efficiency for its size and its bytes at the memory-bound efficiency of HBM."""
+    efficiency for its size (at the peak of its math: a row's fifth entry, BF16 if none;
+    `math=False` prices all at BF16's) and its bytes at the memory-bound efficiency of HBM."""
     peak, hbm = hw.bf16_flops, hw.hbm_bandwidth * hw.memory_bound.at(case)
-    return [max(f / (peak * curve.at(size, case)), b / hbm) for _, size, f, b in rows]
+    return [max(f / (peak * curve.at(size, case)
+                     * (peak_share(hw, rest[0]) if rest and math else 1.0)), b / hbm)
+            for _, size, f, b, *rest in rows]
+
+
+def link_seconds(nvlink_infiniband: tuple[float, float], work: "StepWork", hw: Hardware,
+                 case: str) -> tuple[float, float]:
+    """(NVLink, InfiniBand) seconds of a pair of byte counts."""
+    nvlink, between = nvlink_infiniband
+    return (nvlink / (hw.nvlink_bandwidth(work.nvlink_peers) * hw.nvlink.at(case)),
+            between / (hw.network_bandwidth * hw.infiniband.at(case)))
 
 
 def price(work: StepWork, hw: Hardware, case: str) -> dict[str, float]:
@@ -105,16 +156,32 @@ def price(work: StepWork, hw: Hardware, case: str) -> dict[str, float]:
         "nvlink": work.nvlink_bytes / (hw.nvlink_bandwidth(work.nvlink_peers)
                                        * hw.nvlink.at(case)),
         "infiniband": work.infiniband_bytes / (hw.network_bandwidth * hw.infiniband.at(case)),
+        **lines(work, hw, case),
     }
 
 
-def step_seconds(seconds: dict[str, float], keep: float) -> float:
+def lines(work: StepWork, hw: Hardware, case: str) -> dict[str, float]:
+    """The chain and serial lines (module docstring) at the `case` end of their ranges;
+    an in-layer exchange runs on one link at a time, so its seconds add up, while a
+    serial phase's two links run at once."""
+    return {
+        "kernel_launches": work.launches * hw.launch_gap.at(case),
+        "loop_trip_syncs": work.loop_trips * hw.loop_trip_sync.at(case),
+        "in_layer_exchange": sum(link_seconds(work.in_layer_exchange_bytes, work, hw, case)),
+        "update_exchange": max(link_seconds(work.update_exchange_bytes, work, hw, case)),
+        "fill_drain": max(link_seconds(work.fill_drain_bytes, work, hw, case)),
+    }
+
+
+def step_seconds(seconds: dict[str, float], keep: float,
+                 serial_links: tuple[float, float] = (0.0, 0.0)) -> float:
     """The overlap model of the module docstring: `keep` is the share of compute speed
-    left while NCCL's kernels run."""
-    compute = sum(seconds[k] for k in COMPUTE)
-    links = max(seconds[k] for k in LINKS)
+    left while NCCL's kernels run; `serial_links`: the (NVLink, InfiniBand) seconds of
+    the serial phases, which leave the links' overlapped time."""
+    compute = sum(seconds[k] for k in COMPUTE) + sum(seconds.get(k, 0.0) for k in CHAIN)
+    links = max(max(0.0, seconds[k] - s) for k, s in zip(LINKS, serial_links))
     stream = compute / keep if compute <= links * keep else compute + links * (1 - keep)
-    return max(stream, links, seconds["host_copy"])
+    return max(stream, links, seconds["host_copy"]) + sum(seconds.get(k, 0.0) for k in SERIAL)
 
 
 def estimate(work: StepWork, hw: Hardware, *, tokens_per_device: float, model_flops: float
@@ -122,10 +189,14 @@ def estimate(work: StepWork, hw: Hardware, *, tokens_per_device: float, model_fl
     """The step by class at every case, the range, and the expected case in the keys the
     plan has always reported (`compute_s` … `mfu_overlapped`)."""
     by_case = {case: price(work, hw, case) for case in CASES}
-    steps = {case: max(1e-12, step_seconds(by_case[case], hw.overlap_compute.at(case)))
+    steps = {case: max(1e-12, step_seconds(by_case[case], hw.overlap_compute.at(case),
+                                           _serial_links(work, hw, case)))
              for case in CASES}
     expected = by_case["expected"]
-    serial = max(1e-12, sum(expected.values()))
+    # everything one after another: the classes, and the chain's waits that are no link
+    # time already counted
+    serial = max(1e-12, sum(expected[k] for k in CLASSES)
+                 + expected["kernel_launches"] + expected["loop_trip_syncs"])
     by_class = {}
     for kind in CLASSES:
         flops = work.flops(kind)
@@ -151,8 +222,55 @@ def estimate(work: StepWork, hw: Hardware, *, tokens_per_device: float, model_fl
               "tokens_per_s_per_gpu_serial": tokens_per_device / serial,
               "mfu_overlapped": model_flops / overlapped / hw.bf16_flops}
     return {**legacy, "by_class": by_class, "range": step_range,
+            "lines": _lines(work, hw, by_case),
             "gemms": {"dense_gemm": _largest(work.dense_gemms, hw.dense_gemm, hw),
                       "grouped_gemm": _largest(work.grouped_gemms, hw.grouped_gemm, hw)}}
+
+
+def _serial_links(work: StepWork, hw: Hardware, case: str) -> tuple[float, float]:
+    update = link_seconds(work.update_exchange_bytes, work, hw, case)
+    ends = link_seconds(work.fill_drain_bytes, work, hw, case)
+    return update[0] + ends[0], update[1] + ends[1]
+
+
+LINE_SOURCES = {
+    "tf32_gemms": "float32 GEMMs at the TF32 (or FP32) peak instead of BF16's: hardware.py "
+                  "[h100], [tf32]; the program's operand dtypes and precision",
+    "mla_backward_ratio": "the attention backward's five matmuls at the model's head dims "
+                          "(backward_per_forward) instead of FlashAttention's 2.5",
+    "kernel_launches": "launches per step (the GPU program) × hardware.launch_gap",
+    "loop_trip_syncs": "trips of loops whose trip count is data (at the plan's expected "
+                       "trips) × hardware.loop_trip_sync",
+    "in_layer_exchange": "the forward's and backward's activation exchanges (MoE dispatch "
+                         "and combine, context parallelism) waited for on the compute "
+                         "stream, at their link's speed (critical_path.py)",
+    "update_exchange": "the optimizer update's collectives (Muon's re-layout), serial "
+                       "(critical_path.py)",
+    "fill_drain": "the first weight gathers and the last gradient reduce-scatters of the "
+                  "step, serial — a bound (critical_path.py)",
+}
+
+
+def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
+    """The lines the audit of the plan found missing, each with its seconds at every case
+    and its source: the two priced inside their classes (what they add to them) and the
+    chain and serial lines."""
+    out = {}
+    for case in CASES:
+        bf16 = (sum(gemm_seconds(work.dense_gemms, hw.dense_gemm, hw, case, math=False)))
+        ratio = work.attention_backward_ratio / 2.5
+        seconds = {"tf32_gemms": by_case[case]["dense_gemm"] - bf16,
+                   "mla_backward_ratio": by_case[case]["attention_backward"] * (1 - 1 / ratio),
+                   **{k: by_case[case][k] for k in LINES}}
+        for name, value in seconds.items():
+            out.setdefault(name, {"seconds": {}, "source": LINE_SOURCES[name]})[
+                "seconds"][case] = value
+    out["kernel_launches"]["count"] = work.launches
+    out["loop_trip_syncs"]["count"] = work.loop_trips
+    for name in ("in_layer_exchange", "update_exchange", "fill_drain"):
+        nvlink, between = getattr(work, f"{name}_bytes")
+        out[name].update(nvlink_bytes=nvlink, infiniband_bytes=between)
+    return out
 
 
 def _largest(rows, curve, hw: Hardware, top: int = 6) -> list[dict]:
@@ -162,5 +280,5 @@ def _largest(rows, curve, hw: Hardware, top: int = 6) -> list[dict]:
             "efficiency": curve.at(size, "expected"),
             "bound": "HBM" if b / (hw.hbm_bandwidth * hw.memory_bound.expected) >= s * 0.999
             and b else "FLOPs"}
-           for (label, size, f, b), s in zip(rows, seconds)]
+           for (label, size, f, b, *_), s in zip(rows, seconds)]
     return sorted(out, key=lambda r: -r["seconds"])[:top]

@@ -22,7 +22,7 @@ from typing import Any
 from europa_jax.config import Config
 from europa_jax.model import flops as model_flops
 from europa_jax.model import moe
-from europa_jax.plan.step_time import BACKWARD_PER_FORWARD, StepWork, attention_flops
+from europa_jax.plan.step_time import StepWork, attention_flops, backward_per_forward
 
 
 def _links(rows: list[dict]) -> dict[str, float]:
@@ -43,8 +43,10 @@ def _attention(cfg: Config, attention: dict[str, Any], passes: float, pairs: str
     run = attention["kernel_pairs_per_gpu"]
     one = lambda p: attention_flops(p, heads=m.n_heads, d_qk=m.qk_head_dim, d_v=m.v_head_dim,
                                     layers=attention_layers(m))
+    ratio = backward_per_forward(m.qk_head_dim, m.v_head_dim)
     return {"attention_forward_flops": passes * one(run["forward"][pairs]),
-            "attention_backward_flops": BACKWARD_PER_FORWARD * one(run["backward"][pairs])}
+            "attention_backward_flops": ratio * one(run["backward"][pairs]),
+            "attention_backward_ratio": ratio}
 
 
 def forward_passes(cfg: Config, classes: dict | None) -> float:
@@ -57,11 +59,13 @@ def forward_passes(cfg: Config, classes: dict | None) -> float:
 
 
 def from_program(cfg: Config, classes: dict, attention: dict[str, Any], rows: list[dict], *,
-                 memory_bytes: float, update_bytes: float, pairs: str = "expected"
-                 ) -> StepWork:
-    """The GPU program's work (module docstring); `classes`: kernel_classes.summary."""
-    dense = tuple((gemm_label(s), float(min(s["m"], s["n"], s["k"])), s["flops"], s["bytes"])
-                  for s in classes["dense_gemm"]["shapes"])
+                 memory_bytes: float, update_bytes: float, pairs: str = "expected",
+                 critical: dict[str, float] | None = None) -> StepWork:
+    """The GPU program's work (module docstring); `classes`: kernel_classes.summary;
+    `critical`: the program's launches, loop trips and phase bytes (gpu_program.measure's
+    `critical/…` numbers, critical_path.py)."""
+    dense = tuple((gemm_label(s), float(min(s["m"], s["n"], s["k"])), s["flops"], s["bytes"],
+                   s.get("math", "bf16")) for s in classes["dense_gemm"]["shapes"])
     grouped = tuple((f"{w['rows']:,} rows × {w['experts']} experts, {w['k']:,}→{w['n']:,}",
                      w["rows_per_expert"], w["flops"], w["bytes"])
                     for w in classes["grouped_gemm"]["windows"])
@@ -70,12 +74,28 @@ def from_program(cfg: Config, classes: dict, attention: dict[str, Any], rows: li
                     **_attention(cfg, attention, forward_passes(cfg, classes), pairs),
                     memory_bytes=memory_bytes, update_bytes=update_bytes,
                     to_host_bytes=host["to_host_bytes"], to_device_bytes=host["to_device_bytes"],
-                    nvlink_peers=cfg.mesh.node_group - 1, **_links(rows))
+                    nvlink_peers=cfg.mesh.node_group - 1, **_links(rows),
+                    **critical_fields(critical or {}))
+
+
+def critical_fields(numbers: dict[str, float]) -> dict[str, Any]:
+    """StepWork's chain and serial fields from gpu_program.measure's `critical/…` numbers."""
+    pair = lambda phase: (numbers.get(f"critical/{phase}/nvlink_bytes", 0.0),
+                          numbers.get(f"critical/{phase}/infiniband_bytes", 0.0))
+    fill, drain = pair("fill"), pair("drain")
+    return {"launches": numbers.get("critical/launches", 0.0),
+            "loop_trips": numbers.get("critical/loop_trips", 0.0),
+            "in_layer_exchange_bytes": pair("in_layer_exchange"),
+            "update_exchange_bytes": pair("update_exchange"),
+            "fill_drain_bytes": (fill[0] + drain[0], fill[1] + drain[1])}
 
 
 def gemm_label(s: dict) -> str:
-    """`[batch ×] M × K → N`, as a GEMM shape row of kernel_classes.summary."""
-    return (f"{s['batch']} × " if s["batch"] > 1 else "") + f"{s['m']:,}×{s['k']:,}→{s['n']:,}"
+    """`[batch ×] M × K → N [math]`, as a GEMM shape row of kernel_classes.summary (the
+    math named when it is not BF16)."""
+    math = s.get("math", "bf16")
+    return ((f"{s['batch']} × " if s["batch"] > 1 else "") + f"{s['m']:,}×{s['k']:,}→{s['n']:,}"
+            + ("" if math == "bf16" else f" {math.upper()}"))
 
 
 def routed_rows_per_expert(cfg: Config) -> float:

@@ -1,0 +1,118 @@
+"""What the step waits for besides its kernels' work: the GPU program's collectives by the
+phase they sit in, its kernel launches and the host round trips of its data-dependent loops.
+
+The overlap model (step_time.py) lets every collective run beside compute. Some cannot:
+- `update_exchange`: the optimizer update's collectives (Muon's re-layout all-to-alls,
+  muon_sharded.py; the gradient norm's all-reduce). The update needs every gradient and
+  the next forward needs the update, so nothing of the forward or backward runs beside
+  them: serial.
+- `fill` / `drain`: the forward's first gathers and the backward's last reduce-scatters
+  — the embedding's and the head's (outside the layer loops) and one execution of the
+  first layer kind's (the dense layers when the model has them, else the MoE ones): the
+  step starts with nothing to hide the first behind and ends with nothing to hide the
+  last behind. A bound: XLA's schedule may start the head's gather early.
+- `in_layer_exchange`: the exchanges of activations inside the forward and backward (the
+  MoE's dispatch and combine, context parallelism's head all-to-alls and its gathers
+  and reduce-scatters of keys and values over the node) sit between the kernels
+  that make their input and those that use it: the compute stream waits for them. (The
+  shared expert could run beside the MoE's; the plan does not count on XLA's schedule
+  doing so.)
+Op names say the phase: jax names the forward and backward `…jvp(…)…` (the update has no
+such name) and a scanned layer's ops `…/while/body/…`; ragged all-to-alls carry no op
+name and are always the MoE's exchange.
+
+Kernel launches: every launch the program runs per step (kernel_classes.py). Loop trips:
+a while loop whose trip count is data copies its predicate to the host on every trip
+(hardware.py [while]); counted at the trips the plan expects (gpu_program.expected_trips).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from europa_jax.plan import hlo_report
+from europa_jax.plan.hlo_program import Module
+
+PHASES = ("update_exchange", "fill", "drain", "in_layer_exchange")
+EXCHANGES = ("all-to-all", "ragged-all-to-all")
+
+
+def _op_name(line: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
+
+
+def phase(c: hlo_report.Collective, first_layers: str, weight_axis: str = "data"
+          ) -> tuple[str, bool] | None:
+    """(phase, whether one execution per step of it counts) of a collective, or None for
+    one the overlap model may hide (the layers' weight gathers and gradient
+    reduce-scatters past the first). A gather or reduce-scatter in the forward or backward
+    that is not over the weights' FSDP axis moves activations (context parallelism's
+    keys and values, their gradients): an in-layer exchange."""
+    name = c.op_name
+    if c.op == "ragged-all-to-all":
+        return "in_layer_exchange", False
+    if "jvp(" not in name:
+        return "update_exchange", False
+    if c.op not in ("all-gather", "reduce-scatter"):
+        return ("in_layer_exchange", False) if c.op in EXCHANGES else None
+    if not any(a.split(":")[0] == weight_axis for a in c.axes):
+        return "in_layer_exchange", False
+    backward = "transpose(" in name
+    wanted = "drain" if c.op == "reduce-scatter" else "fill"
+    if backward != (wanted == "drain"):
+        return None
+    if "/while/body/" not in name:
+        return wanted, False
+    return (wanted, True) if first_layers in name else None
+
+
+def phase_bytes(hlo: str, mesh, *, devices_per_node: int, first_layers: str,
+                dynamic_trips: Callable[[str], float] | None = None,
+                fill: Callable[[hlo_report.Collective], float] = lambda c: 1.0
+                ) -> dict[str, dict[str, float]]:
+    """Per phase of the module docstring: NVLink and InfiniBand bytes per GPU per step
+    (`fill(c)`: the share of a ragged exchange's buffers routing is expected to fill)."""
+    out = {p: {"nvlink_bytes": 0.0, "infiniband_bytes": 0.0} for p in PHASES}
+    for c in hlo_report.collectives(hlo, mesh, devices_per_node=devices_per_node,
+                                    dynamic_trips=dynamic_trips):
+        found = phase(c, first_layers)
+        if not found:
+            continue
+        once = 1.0 / c.count if found[1] and c.count else 1.0
+        share = once * (fill(c) if c.op == "ragged-all-to-all" else 1.0)
+        between = c.infiniband_bytes * share
+        out[found[0]]["infiniband_bytes"] += between
+        out[found[0]]["nvlink_bytes"] += c.bytes_per_device * share - between
+    return out
+
+
+def loop_trips(mod: Module, dynamic_trips: Callable[[str], float] | None = None) -> float:
+    """Predicate evaluations per step of the loops whose trip count is data: trips + 1 per
+    execution of each such loop, at `dynamic_trips(its op name)` expected trips."""
+    total = 0.0
+
+    def visit(comp: str, times: float, depth: int = 0):
+        nonlocal total
+        if depth > 64:
+            return
+        for _, _, opcode, rest, line in mod.parsed.get(comp, []):
+            called = re.findall(r"(?:to_apply|calls|body|condition|true_computation|"
+                                r"false_computation)=([\w.\-]+)", rest)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            if opcode == "while":
+                body = re.search(r"body=([\w.\-]+)", rest).group(1)
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                trips = (int(known.group(1)) if known else
+                         dynamic_trips(_op_name(line)) if dynamic_trips else 1.0)
+                if not known:
+                    total += times * (trips + 1)
+                visit(body, times * trips, depth + 1)
+                continue
+            for callee in called + ([b.strip() for b in branches.group(1).split(",")]
+                                    if branches else []):
+                visit(callee, times, depth + 1)
+
+    visit(mod.entry, 1.0)
+    return total
