@@ -112,6 +112,10 @@ class OptimConfig:
     clip_grad_norm: float = 1.0
     muon_beta: float = 0.95
     muon_ns_steps: int = 5
+    # The dtype Newton–Schulz runs in, and Muon's re-layout moves (muon_sharded.py). The
+    # reference Muon (github.com/KellerJordan/Muon) runs it in bfloat16: half the re-layout's
+    # bytes, and BF16 GEMMs where float32 ones run in TF32 at half the peak on a GPU.
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
     # Moonlight/Kimi RMS matching: Muon updates scaled to AdamW's RMS so one lr serves both.
     muon_consistent_rms: float = 0.2
     adam_b1: float = 0.9

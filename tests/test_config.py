@@ -42,6 +42,7 @@ ERRORS = [
     (["checkpoint.keep=0"], r"checkpoint\.keep: 0 must be positive"),
     (["checkpoint.every_steps=-1"], r"checkpoint\.every_steps: -1 must be >= 0"),
     (["checkpoint.nan_policy=ignore"], r"checkpoint\.nan_policy: 'ignore' is not one of: skip, stop"),
+    (["optim.muon_ns_dtype=fp16"], r"optim\.muon_ns_dtype: 'fp16' is not one of: float32, bfloat16"),
     (["model.rope_scaling.type=ntk"], r"model\.rope_scaling\.type: 'ntk' is not one of"),
     (["mesh.data=0"], r"mesh\.data: 0 must be positive"),
     (["train.steps"], r"--set 'train\.steps': expected KEY=VALUE"),

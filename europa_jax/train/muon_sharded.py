@@ -134,10 +134,13 @@ def _orthogonalize_real(matrices, mesh: Mesh, spread_axes: tuple[str, ...], r: i
 
 
 def scale_by_muon(*, ns_steps: int, beta: float, eps: float, dims_fn: Callable[[Any], Any],
-                  specs_fn: SpecsFn | None = None, mesh: Mesh | None = None
-                  ) -> optax.GradientTransformation:
+                  specs_fn: SpecsFn | None = None, mesh: Mesh | None = None,
+                  ns_dtype: str = "float32") -> optax.GradientTransformation:
     """optax 0.2.8 `scale_by_muon` (Nesterov, frobenius preconditioning, standard NS
-    coefficients); with a mesh, each leaf is orthogonalized by `orthogonalize_spread`."""
+    coefficients); with a mesh, each leaf is orthogonalized by `orthogonalize_spread`.
+    Newton–Schulz runs in `ns_dtype` (cast before the re-layout, so it moves that dtype;
+    the result cast back to the momentum's), as the reference Muon runs it in bfloat16."""
+    dtype = jnp.dtype(ns_dtype)
     reference = _muon.scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps,
                                     weight_dimension_numbers=dims_fn)
 
@@ -152,12 +155,12 @@ def scale_by_muon(*, ns_steps: int, beta: float, eps: float, dims_fn: Callable[[
         is_dims = lambda d: isinstance(d, MuonDimensionNumbers)
         if mesh is None:
             ortho = jax.tree.map(lambda x, d: _muon.orthogonalize_via_newton_schulz(
-                x, state.ns_coeffs, ns_steps, "frobenius", eps, d),
-                mu_hat, dims_fn(updates), is_leaf=is_dims)
+                x.astype(dtype), state.ns_coeffs, ns_steps, "frobenius", eps, d
+            ).astype(x.dtype), mu_hat, dims_fn(updates), is_leaf=is_dims)
         else:
             ortho = jax.tree.map(lambda x, d, spec: orthogonalize_spread(
-                x, d, spec, mesh, state.ns_coeffs, ns_steps, eps),
-                mu_hat, dims_fn(updates), specs_fn(updates), is_leaf=is_dims)
+                x.astype(dtype), d, spec, mesh, state.ns_coeffs, ns_steps, eps
+            ).astype(x.dtype), mu_hat, dims_fn(updates), specs_fn(updates), is_leaf=is_dims)
         return ortho, _muon.MuonState(count=count_inc, mu=mu, ns_coeffs=state.ns_coeffs)
 
     return optax.GradientTransformation(reference.init, update_fn)
@@ -189,12 +192,13 @@ def scale_by_model_shape(dims_fn: Callable[[Any], Any], consistent_rms: float | 
 def muon(learning_rate: optax.ScalarOrSchedule, *, ns_steps: int, beta: float, eps: float,
          weight_decay: float, consistent_rms: float, dims_fn: Callable[[Any], Any],
          specs_fn: SpecsFn | None = None, mesh: Mesh | None = None,
-         shapes_fn: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
+         shapes_fn: Callable[[Any], Any] | None = None, ns_dtype: str = "float32"
+         ) -> optax.GradientTransformation:
     """The Muon branch of `optax.contrib.muon` (for leaves that are all Muon matrices):
     orthogonalized Nesterov momentum, consistent-RMS scaling, decoupled weight decay × lr."""
     return optax.chain(
         scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, dims_fn=dims_fn,
-                      specs_fn=specs_fn, mesh=mesh),
+                      specs_fn=specs_fn, mesh=mesh, ns_dtype=ns_dtype),
         scale_by_model_shape(dims_fn, consistent_rms, shapes_fn),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))

@@ -83,6 +83,7 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, mesh: Mesh | None = None
     lr = schedule(cfg, total_steps)
     muon = muon_sharded.muon(
         lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta, eps=cfg.adam_eps,
+        ns_dtype=cfg.muon_ns_dtype,
         weight_decay=cfg.weight_decay, consistent_rms=cfg.muon_consistent_rms,
         dims_fn=muon_dimension_numbers, mesh=mesh,
         specs_fn=None if mesh is None else muon_sharded.specs_by_path(param_specs),
