@@ -36,7 +36,8 @@ def main() -> None:
                "batches": args.batches, "documents": attention_cost.LONG_TAIL}
     for cp in (False, True):
         start = time.perf_counter()
-        r = attention_cost.slowest_pairs(cfg, batches=args.batches, context_parallel=cp)
+        r = attention_cost.slowest_pairs(cfg, batches=args.batches, context_parallel=cp,
+                                         documents_model="long-tail")
         pairs = r["pairs_per_gpu"]
         results["context_parallel" if cp else "per_rank"] = {
             "slowest": r["slowest_unit"],

@@ -71,7 +71,15 @@ def _parser() -> argparse.ArgumentParser:
                       "extra; 4 GPUs per node) or cpu (XLA:CPU, the former plan)")
     plan.add_argument("--corpus", metavar="DIR",
                       help="price attention from this prepared corpus's document lengths "
-                      "(default: the long-tailed model of plan/attention_cost.py)")
+                      "(default: the --documents model)")
+    plan.add_argument("--documents", default="dolma", choices=["dolma", "long-tail"],
+                      help="the document-length model attention is priced on without "
+                      "--corpus: Dolma's measured mix (default) or the long-tailed stress "
+                      "case (plan/documents.py)")
+    plan.add_argument("--compare", choices=["recipe"],
+                      help="plan our layout and the recipe's (no context parallelism, "
+                      "block-skipping attention both passes) on both document models and "
+                      "print our ratio to it (plan/compare.py; four compiles)")
     plan.add_argument("--attention-batches", type=int, default=32, metavar="N",
                       help="global batches sampled through the balancer to price attention")
     plan.add_argument("--probe-moe-layers", metavar="A,B",
@@ -169,6 +177,9 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     from pathlib import Path
 
     if args.search or args.vary:
+        if args.compare:
+            raise ConfigError("--compare: not with --search (compare one layout with the "
+                              "recipe's)")
         return _plan_search(args, cfg)
     if args.devices != cfg.mesh.n_devices:
         raise ConfigError(f"--devices {args.devices} does not match mesh data×expert = "
@@ -203,9 +214,17 @@ def _plan(args: argparse.Namespace, cfg) -> int:
 
     os.environ["XLA_FLAGS"] = plan.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
     _use_cpu_devices(args.devices if args.target == "cpu" else 1, platform="cpu")
-    report = plan.plan(cfg, name=Path(args.config).stem, probe_moe_layers=probes,
-                       target=args.target, corpus=args.corpus,
-                       attention_batches=args.attention_batches, machine=machine)
+    options = dict(name=Path(args.config).stem, probe_moe_layers=probes, target=args.target,
+                   attention_batches=args.attention_batches, machine=machine)
+    if args.compare:
+        from europa_jax.plan import compare
+
+        result = compare.compare(cfg, lambda c, **kw: plan.plan(c, **options, **kw),
+                                 corpus=args.corpus)
+        print(json.dumps(result, indent=2) if args.json
+              else compare.format_compare(result, options["name"]))
+        return exit_codes.CRASH if any(r["error"] for r in result["rows"]) else exit_codes.OK
+    report = plan.plan(cfg, corpus=args.corpus, documents_model=args.documents, **options)
     print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 
@@ -217,7 +236,8 @@ def _plan_search(args: argparse.Namespace, cfg) -> int:
     grid.update(search.parse_vary(args.vary))
     if args.probe_moe_layers:
         raise ConfigError("--probe-moe-layers: not with --search (each layout compiles whole)")
-    extra = ["--target", args.target, "--attention-batches", str(args.attention_batches)]
+    extra = ["--target", args.target, "--attention-batches", str(args.attention_batches),
+             "--documents", args.documents]
     extra += ["--corpus", args.corpus] if args.corpus else []
     extra += ["--hardware", args.hardware] if args.hardware else []
     rows = []

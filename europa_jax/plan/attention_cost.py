@@ -4,7 +4,8 @@ Every GPU holds the same tokens, but document-masked attention costs Σ L(L+1)/2
 pairs per row, and the step waits for the GPU with the most. Which GPU that is, and how
 much it holds, depends on the documents of the batch and on the balancer, so the plan
 samples global batches: a stream of document lengths (a prepared corpus's, from its
-offsets, or the long-tailed model below) is cut into global batches of B·S tokens as the
+offsets, or a model of documents.py: Dolma's measured mix by default, the long-tailed
+stress case on request) is cut into global batches of B·S tokens as the
 input pipeline cuts it (a document that does not fit opens the next batch), each batch is
 laid out by the real balancer (data/packing.py, as `data.balance` says), and the slowest
 *unit* is read off: a rank, or with `model.attention_context_parallel` a node, whose
@@ -16,7 +17,9 @@ worst case (every row one document: S(S+1)/2 per row), beside the mean over all 
 (`kernel_pairs`): the forward whole key tiles from each query tile's earliest document
 start, the backward whole chunk pairs (flash_backward.py) that any row of its call — a
 rank's rows, or a node's under context parallelism — can see; their expected, p95 and
-worst case per GPU are reported for the unit whose kernels cost the most.
+worst case per GPU are reported for the unit whose kernels cost the most. With
+`block_skipping` (the recipe's FlexAttention, which skips masked blocks in both passes)
+the backward runs the forward's tile pairs.
 
 Shape suffixes (europa_jax/__init__.py): W documents, Z placed pieces, B rows, J ranks.
 """
@@ -32,23 +35,11 @@ from europa_jax.config import Config
 from europa_jax.data import packing
 from europa_jax.data.batch_plan import stream_chunk
 from europa_jax.model import attention
+from europa_jax.plan import documents
+from europa_jax.plan.documents import LONG_TAIL, long_tail_lengths  # noqa: F401 (callers)
 from europa_jax.plan.step_time import backward_per_forward
 
-# The long-tailed mix of benchmarks/data_balance.py: 98 % web-like documents (log-normal,
-# median 600 tokens, σ 1.2) and 2 % long ones (Pareto from 4,096 tokens, α 1.6, capped at
-# 1M: books, code, papers). Mean ≈ 1,400 tokens; ~44 % of the tokens are in long documents.
-LONG_TAIL = ("long-tail model: 98 % log-normal (median 600 tokens, sigma 1.2), "
-             "2 % Pareto from 4,096 tokens (alpha 1.6, cap 1,048,576)")
 DEFAULT_BATCHES = 32
-
-
-def long_tail_lengths(n: int, seed: int = 0) -> np.ndarray:
-    """`n` document lengths of the long-tailed model (LONG_TAIL) [W] int64."""
-    rng = np.random.default_rng(seed)
-    web_W = rng.lognormal(np.log(600), 1.2, n)
-    long_W = 4096 * (1 + rng.pareto(1.6, n))
-    lengths_W = np.where(rng.random(n) < 0.02, long_W, web_W)
-    return np.clip(lengths_W, 16, 1 << 20).astype(np.int64)
 
 
 def corpus_lengths(path: str | Path) -> np.ndarray:
@@ -141,19 +132,23 @@ def kernel_pairs(placed: packing.Placement, *, seq_len: int, n_ranks: int, ranks
     return fwd_B, per_row_B.reshape(units, ranks_per_call * per_rank).sum(axis=1)
 
 
-def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = LONG_TAIL,
-                  batches: int = DEFAULT_BATCHES, seed: int = 0,
-                  context_parallel: bool | None = None) -> dict[str, Any]:
+def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: str = "",
+                  documents_model: str = documents.DEFAULT, batches: int = DEFAULT_BATCHES,
+                  seed: int = 0, context_parallel: bool | None = None,
+                  block_skipping: bool = False) -> dict[str, Any]:
     """Attention pairs per GPU of the slowest unit per step, over `batches` sampled global
-    batches of `cfg`'s layout (the module docstring). `lengths_W`: the documents (default:
-    enough of the long-tailed model for every batch); `context_parallel`: as the config's
-    model says unless given (benchmarks compare both)."""
+    batches of `cfg`'s layout (the module docstring). `lengths_W`: the documents, named by
+    `source` (default: enough of `documents_model`, documents.py, for every batch);
+    `context_parallel`: as the config's model says unless given (benchmarks compare both);
+    `block_skipping`: the backward runs the forward's tile pairs (module docstring)."""
     seq, rows, ranks = cfg.data.seq_len, cfg.data.global_batch_size, cfg.mesh.n_devices
     if context_parallel is None:
         context_parallel = cfg.model.attention_context_parallel
     unit = cfg.mesh.node_group if context_parallel else 1
     if lengths_W is None:
-        lengths_W = long_tail_lengths(int(batches * rows * seq / 1300) + 1, seed)
+        lengths_W = documents.lengths(documents_model, batches * rows * seq, seed)
+        source = documents.MODELS[documents_model][0]
+    source = source or f"{len(lengths_W):,} given document lengths"
     tile = attention.LIBRARY_SEQ_MULTIPLE
     chunk = attention.backward_chunk_for(seq, cfg.model.attention_backward_chunk)
     ratio = backward_per_forward(cfg.model.qk_head_dim, cfg.model.v_head_dim)
@@ -162,6 +157,8 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
         rank_J, unit_U, (fwd_U, bwd_U) = unit_pairs(
             length_X, seq_len=seq, n_ranks=ranks, ranks_per_unit=unit,
             balance=cfg.data.balance, kernels=(tile, chunk))
+        if block_skipping:
+            bwd_U = fwd_U
         slowest.append(unit_U.max())
         # the unit whose kernels cost the most (a backward pair is ~2.5 forward ones)
         u = int(np.argmax(fwd_U + ratio * bwd_U))
@@ -177,8 +174,10 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     _, _, worst_run = unit_pairs(np.full(rows, seq), seq_len=seq, n_ranks=ranks,
                                  ranks_per_unit=unit, balance=False,
                                  kernels=(tile, chunk))
+    if block_skipping:
+        worst_run = (worst_run[0], worst_run[0])
     return {
-        "documents": source, "batches": batches,
+        "documents": source, "batches": batches, "block_skipping": block_skipping,
         "slowest_unit": "node" if unit > 1 else "rank",
         "balance": cfg.data.balance,
         "pairs_per_gpu": {

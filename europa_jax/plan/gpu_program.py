@@ -123,12 +123,15 @@ def expected_trips(cfg: Config, attention_pairs: dict | None = None):
     (attention_cost.slowest_pairs: the backward pairs the costliest unit's GPU runs, as
     the FLOPs are priced), else one document per row ((X − 1)/2 on average over j); MoE
     buffers sized at `moe_buffer_factor` × their expected fill, so no overflow round or
-    window runs."""
+    window runs. Under `block_skipping` (the recipe's attention, priced on our program) the
+    backward visits its blocks in one kernel: no pair loop runs."""
     s, chunk = cfg.data.seq_len, attention.backward_chunk_for(
         cfg.data.seq_len, cfg.model.attention_backward_chunk)
     chunks = -(-s // chunk) if chunk else 1
     off_diagonal = (chunks - 1) / 2
-    if attention_pairs and chunk:
+    if attention_pairs and attention_pairs.get("block_skipping"):
+        off_diagonal = 0.0
+    elif attention_pairs and chunk:
         # a GPU runs its rows' pairs (a node's rows for a quarter of the heads under
         # context parallelism: the same count per GPU as its own rows)
         rows = max(1, cfg.data.global_batch_size // cfg.mesh.n_devices)

@@ -57,8 +57,8 @@ from europa_jax.config import Config
 from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
-from europa_jax.plan import (attention_cost, exchange, gpu_program, gpu_target, hardware,
-                             kernel_classes, step_time, step_work)
+from europa_jax.plan import (attention_cost, documents, exchange, gpu_program, gpu_target,
+                             hardware, kernel_classes, step_time, step_work)
 from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
 from europa_jax.train import qk_clip, train
@@ -100,19 +100,23 @@ def replicated_params(state: train.TrainState, mesh) -> list[dict]:
 
 def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int] | None = None,
          machine: hardware.Hardware = hardware.GH200_JUPITER, target: str = "cpu",
-         corpus: str | None = None, attention_batches: int = attention_cost.DEFAULT_BATCHES
+         corpus: str | None = None, attention_batches: int = attention_cost.DEFAULT_BATCHES,
+         documents_model: str = documents.DEFAULT, block_skipping: bool = False
          ) -> dict[str, Any]:
     """The plan report (a JSON-able dict) for `cfg` compiled for `target`: "cpu" (as many
     fake CPU devices as its mesh) or a GPU of gpu_target.TARGETS (a topology of as many
     compile-only GPUs, 4 per host). Attention is priced from `attention_batches` global
-    batches of `corpus`'s document lengths (a prepared corpus; default the long-tailed
-    model, attention_cost.py)."""
+    batches of `corpus`'s document lengths (a prepared corpus), else of `documents_model`
+    (documents.py: Dolma's measured mix by default); `block_skipping`: price the backward
+    at the forward's tile pairs, as the recipe's attention runs (compare.py)."""
     if corpus is None:
-        attention = attention_cost.slowest_pairs(cfg, batches=attention_batches)
+        attention = attention_cost.slowest_pairs(cfg, batches=attention_batches,
+                                                 documents_model=documents_model,
+                                                 block_skipping=block_skipping)
     else:
         attention = attention_cost.slowest_pairs(
             cfg, attention_cost.corpus_lengths(corpus), source=f"corpus {corpus}",
-            batches=attention_batches)
+            batches=attention_batches, block_skipping=block_skipping)
     n_moe = cfg.model.n_moe_layers
     gpu = target != "cpu"
     if (probe_moe_layers is None and not gpu and not cfg.model.scan_layers

@@ -349,7 +349,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines += [""] + _exchange(r["exchange"])
     lines += [""] + _step_table(r)
     lines += _estimate(r["estimate"]["as_compiled"], "expected, at the expected slowest "
-                       "GPU's attention")
+                       f"GPU's attention on {r['attention']['documents'].split(':')[0]}")
     if r["estimate"].get("worst_case"):
         lines += _estimate(r["estimate"]["worst_case"], "worst case (every row one document)")
     if r["estimate"]["update_kept_local"]:
