@@ -74,7 +74,7 @@ class StepWork:
 
     # (shape, smallest dim, FLOPs, bytes[, math]) per GEMM shape (math: kernel_classes.
     # gemm_math, BF16 if absent); (window, rows per expert, FLOPs, bytes) per grouped window
-    dense_gemms: tuple[tuple[str, float, float, float], ...]
+    dense_gemms: tuple[tuple, ...]
     grouped_gemms: tuple[tuple[str, float, float, float], ...]
     attention_forward_flops: float
     attention_backward_flops: float
@@ -85,10 +85,10 @@ class StepWork:
     nvlink_bytes: float
     nvlink_peers: int
     infiniband_bytes: float
+    attention_backward_ratio: float = 2.5  # backward_per_forward of the model's head dims
     # critical_path.py: kernel launches and data-dependent loop trips per step; the
     # (NVLink, InfiniBand) bytes of the in-layer exchanges, the update's collectives and
     # the first gathers + last reduce-scatters (their bytes are in the totals above too)
-    attention_backward_ratio: float = 2.5  # backward_per_forward of the model's head dims
     launches: float = 0.0
     loop_trips: float = 0.0
     in_layer_exchange_bytes: tuple[float, float] = (0.0, 0.0)
@@ -257,7 +257,7 @@ def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
     chain and serial lines."""
     out = {}
     for case in CASES:
-        bf16 = (sum(gemm_seconds(work.dense_gemms, hw.dense_gemm, hw, case, math=False)))
+        bf16 = sum(gemm_seconds(work.dense_gemms, hw.dense_gemm, hw, case, math=False))
         ratio = work.attention_backward_ratio / 2.5
         seconds = {"tf32_gemms": by_case[case]["dense_gemm"] - bf16,
                    "mla_backward_ratio": by_case[case]["attention_backward"] * (1 - 1 / ratio),
