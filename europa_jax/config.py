@@ -73,7 +73,9 @@ class CommConfig:
     grad_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
     # ragged_all_to_all on GPU/TPU; dense all_to_all of worst-case buffers elsewhere.
     expert_exchange: Literal["auto", "dense", "ragged"] = "auto"
-    expert_exchange_dtype: Literal["bf16", "fp32"] = "fp32"
+    # fp8: the dispatch's token rows in e4m3 with a scale per 128 values, the combine and
+    # the backward's exchanges in bf16 (DeepSeek-V3's practice; parallel/fp8_rows.py)
+    expert_exchange_dtype: Literal["fp8", "bf16", "fp32"] = "fp32"
     # An expert axis across nodes: `direct` sends a token's row to each GPU of its experts
     # (over InfiniBand for GPUs of other nodes); `two_stage` once to each node of its
     # experts, then over the node's NVLink (model/node_dispatch.py).

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from europa_jax.config import ModelConfig
 from europa_jax.model.expert_matmul import LocalExperts, local_backward, local_forward
-from europa_jax.parallel import comm
+from europa_jax.parallel import comm, fp8_rows
 
 OVERFLOW_SPLIT = 4  # an overflow round carries C / 4 rows per peer
 
@@ -178,6 +178,13 @@ class Layout:
         return v.at[self.token_S].get(mode="fill", fill_value=fill).reshape(
             ep, self.capacity, *values_TX.shape[1:])
 
+    def sent_rows(self, x_TD):
+        """Token rows [T, D] as the peers' experts get them [J·C, D], in x's dtype, over the
+        wire dtype (`fp8`: e4m3 tiles and their scales, fp8_rows.py); differentiable,
+        straight through the rounding (`_sent_rows`)."""
+        return _sent_rows(x_TD, self.token_S, self.send_counts_J, self.recv_counts_J,
+                          self.axis, self.capacity)
+
     def per_peer_slots(self, values_TJX, fill):
         """Per-(token, peer) values [T, J, ...] → the send buffer [J, C, ...]."""
         ep = self.axis.size
@@ -197,6 +204,46 @@ class Layout:
         return acc_TX.at[self.token_S].add(flat.astype(acc_TX.dtype), mode="drop")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _sent_rows(x_TD, token_S, send_counts_J, recv_counts_J, axis: comm.ExpertAxis,
+               capacity: int):
+    """Layout.sent_rows: rows gathered into the send buffer by slot, exchanged, received."""
+    ep, d = axis.size, x_TD.shape[1]
+
+    def send(v_TX):
+        buf_JCX = v_TX.at[token_S].get(mode="fill", fill_value=0).reshape(
+            ep, capacity, *v_TX.shape[1:])
+        return axis.exchange(buf_JCX, send_counts_J, recv_counts_J).reshape(
+            ep * capacity, *v_TX.shape[1:])
+
+    if axis.wire == "fp8" and ep > 1:
+        q_TD, scale_TK = fp8_rows.quantize(x_TD)
+        return fp8_rows.dequantize(send(q_TD), send(scale_TK), x_TD.dtype)
+    return send(x_TD.astype(axis.wire_dtype(x_TD.dtype))).astype(x_TD.dtype).reshape(-1, d)
+
+
+def _sent_rows_fwd(x_TD, token_S, send_counts_J, recv_counts_J, axis, capacity):
+    rows = _sent_rows(x_TD, token_S, send_counts_J, recv_counts_J, axis, capacity)
+    # x's rows and dtype, without keeping x
+    return rows, (jnp.zeros((x_TD.shape[0], 0), x_TD.dtype), token_S, send_counts_J,
+                  recv_counts_J)
+
+
+def _sent_rows_bwd(axis, capacity, saved, ct_RD):
+    """The rows' gradients back to their tokens in the combine's wire dtype (bf16 under
+    fp8), summed over a token's peers: straight through the dispatch's rounding."""
+    like_T0, token_S, send_counts_J, recv_counts_J = saved
+    ep, t, d = axis.size, like_T0.shape[0], ct_RD.shape[1]
+    back_JCD = axis.exchange(ct_RD.astype(axis.wire_dtype(ct_RD.dtype)).reshape(
+        ep, capacity, d), recv_counts_J, send_counts_J)
+    dx_TD = jnp.zeros((t, d), jnp.float32).at[token_S].add(
+        back_JCD.reshape(-1, d).astype(jnp.float32), mode="drop")
+    return dx_TD.astype(like_T0.dtype), None, None, None
+
+
+_sent_rows.defvjp(_sent_rows_fwd, _sent_rows_bwd)
+
+
 def _sent(dest_TU, ep: int):
     """[T, J] bool: whether a token has a chosen expert on each peer (one row per peer)."""
     return jnp.any(dest_TU[:, :, None] == jnp.arange(ep), axis=1)
@@ -205,12 +252,11 @@ def _sent(dest_TU, ep: int):
 def _received(x_TD, gates_TU, experts_TU, lay: Layout, e_local: int):
     """Round rows as the experts' device gets them: x [R, D], local ids [R, U] (−1: none
     or invalid), gates [R, U] float32."""
-    ep, (t, u), d = lay.axis.size, experts_TU.shape, x_TD.shape[1]
+    ep, (t, u) = lay.axis.size, experts_TU.shape
     peer_TUJ = lay.dest_TU[:, :, None] == jnp.arange(ep)
     local_TJU = jnp.where(peer_TUJ, experts_TU[:, :, None] % e_local, -1).transpose(0, 2, 1)
     gate_TJU = jnp.where(peer_TUJ, gates_TU[:, :, None], 0.0).transpose(0, 2, 1)
-    wire = lay.axis.wire_dtype(x_TD.dtype)
-    x_RD = lay.out(lay.to_slots(x_TD, 0, wire)).astype(x_TD.dtype).reshape(-1, d)
+    x_RD = lay.sent_rows(x_TD)
     e_JCU = lay.out(lay.per_peer_slots(local_TJU, -1))
     g_RU = lay.out(lay.per_peer_slots(gate_TJU, 0.0)).reshape(-1, u)
     valid_JC = jnp.arange(lay.capacity) < lay.recv_counts_J[:, None]  # ragged: rest stale

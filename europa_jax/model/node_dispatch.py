@@ -74,7 +74,7 @@ def two_stage_dispatch(x_TD, gates_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_
     def out(buf_NC):
         return _swap(buf_NC, lay.send_counts_J, lay.recv_counts_J, across)
 
-    x_RD = out(lay.to_slots(x_TD, 0, wire)).astype(x_TD.dtype).reshape(nodes * t, -1)
+    x_RD = lay.sent_rows(x_TD)  # fp8 on the wire with `comm.expert_exchange_dtype: fp8`
     e_NCU = lay.out(lay.per_peer_slots(local_TNU, -1))  # integers: no gradient
     valid_NC = jnp.arange(t) < lay.recv_counts_J[:, None]  # ragged: the rest is stale
     e_RU = jnp.where(valid_NC[..., None], e_NCU, -1).reshape(nodes * t, u)

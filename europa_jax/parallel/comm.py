@@ -201,7 +201,10 @@ class ExpertAxis:
         return jax.lax.pmax(x, EXPERT_AXIS) if self.size > 1 else x
 
     def wire_dtype(self, compute_dtype):
-        """Dtype of token rows on the wire (the compute dtype outside SPMD)."""
+        """Dtype of token rows on the wire (the compute dtype outside SPMD); with `fp8`, of
+        the combine's and the backward's rows (bf16): the dispatch's are `dispatch_rows`."""
+        if self.wire == "fp8":
+            return jnp.bfloat16
         return DTYPES[self.wire] if self.wire else compute_dtype
 
     def counts(self, send_counts_J: jax.Array) -> jax.Array:

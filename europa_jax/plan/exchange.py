@@ -14,6 +14,15 @@ from europa_jax.config import Config
 from europa_jax.model import moe, moe_dispatch
 
 WIRE_BYTES = {"bf16": 2, "fp32": 4}
+# fp8 (parallel/fp8_rows.py): the forward's dispatch in e4m3 with a float32 scale per 128
+# values, the combine and both backward exchanges in bf16 — bytes per value of the four
+FP8_DISPATCH_BYTES = (1 + 4 / 128, 2, 2, 2)
+
+
+def wire_bytes(dtype: str) -> float:
+    """Mean bytes per value over a layer's four exchanges (dispatch and combine, forward
+    and backward) at the config's `comm.expert_exchange_dtype`."""
+    return sum(FP8_DISPATCH_BYTES) / 4 if dtype == "fp8" else WIRE_BYTES[dtype]
 
 
 def two_stage_nodes(cfg: Config) -> int:
@@ -34,7 +43,7 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
     # rows out and back in one forward and one backward, at the wire dtype (a forward
     # that remat runs again sends its rows again: the compiled count has it, not this)
     routed = (4 * (m.n_moe_layers + m.mtp_layers) * tokens * destinations * m.d_model
-              * WIRE_BYTES[cfg.comm.expert_exchange_dtype])
+              * wire_bytes(cfg.comm.expert_exchange_dtype))
     nodes, g = cfg.mesh.expert_nodes, cfg.mesh.node_group
     per_node = two_stage_nodes(cfg)  # the GPU exchange of a two-stage dispatch: its 2nd
     two_stage = bool(per_node)
