@@ -119,9 +119,8 @@ def test_the_programs_collectives_fall_in_the_phases_the_estimate_charges(cfg, s
     part of the program's collectives, and the layers' weight traffic is left to overlap."""
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     per_node = cfg.mesh.devices_per_node
-    phases = critical_path.phase_bytes(step_text, mesh, devices_per_node=per_node,
-                                       first_layers="dense_layers")
     found = hlo_report.collectives(step_text, mesh, devices_per_node=per_node)
+    phases = critical_path.phase_bytes(found, "dense_layers")
     total = sum(c.bytes_per_device for c in found)
     exchange = phases["in_layer_exchange"]
     assert exchange["nvlink_bytes"] > 0 and exchange["infiniband_bytes"] == 0

@@ -38,11 +38,6 @@ PHASES = ("update_exchange", "fill", "drain", "in_layer_exchange")
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 
-def _op_name(line: str) -> str:
-    found = re.search(r'op_name="([^"]*)"', line)
-    return found.group(1) if found else ""
-
-
 def phase(c: hlo_report.Collective, first_layers: str, weight_axis: str = "data"
           ) -> tuple[str, bool] | None:
     """(phase, whether one execution per step of it counts) of a collective, or None for
@@ -68,51 +63,35 @@ def phase(c: hlo_report.Collective, first_layers: str, weight_axis: str = "data"
     return (wanted, True) if first_layers in name else None
 
 
-def phase_bytes(hlo: str, mesh, *, devices_per_node: int, first_layers: str,
-                dynamic_trips: Callable[[str], float] | None = None,
+def phase_bytes(found: list[hlo_report.Collective], first_layers: str,
                 fill: Callable[[hlo_report.Collective], float] = lambda c: 1.0
                 ) -> dict[str, dict[str, float]]:
-    """Per phase of the module docstring: NVLink and InfiniBand bytes per GPU per step
-    (`fill(c)`: the share of a ragged exchange's buffers routing is expected to fill)."""
+    """Per phase of the module docstring: NVLink and InfiniBand bytes per GPU per step of
+    a program's collectives (hlo_report.collectives; `fill(c)`: the share of a ragged
+    exchange's buffers routing is expected to fill)."""
     out = {p: {"nvlink_bytes": 0.0, "infiniband_bytes": 0.0} for p in PHASES}
-    for c in hlo_report.collectives(hlo, mesh, devices_per_node=devices_per_node,
-                                    dynamic_trips=dynamic_trips):
-        found = phase(c, first_layers)
-        if not found:
+    for c in found:
+        where = phase(c, first_layers)
+        if not where:
             continue
-        once = 1.0 / c.count if found[1] and c.count else 1.0
-        share = once * (fill(c) if c.op == "ragged-all-to-all" else 1.0)
+        name, once = where
+        share = (1.0 / c.count if once and c.count else 1.0) * (
+            fill(c) if c.op == "ragged-all-to-all" else 1.0)
         between = c.infiniband_bytes * share
-        out[found[0]]["infiniband_bytes"] += between
-        out[found[0]]["nvlink_bytes"] += c.bytes_per_device * share - between
+        out[name]["infiniband_bytes"] += between
+        out[name]["nvlink_bytes"] += c.bytes_per_device * share - between
     return out
 
 
 def loop_trips(mod: Module, dynamic_trips: Callable[[str], float] | None = None) -> float:
     """Predicate evaluations per step of the loops whose trip count is data: trips + 1 per
-    execution of each such loop, at `dynamic_trips(its op name)` expected trips."""
+    execution of each such loop, at `dynamic_trips(its op name)` expected trips (each
+    computation's executions counted as the collectives' are, hlo_report.execution_counts)."""
     total = 0.0
-
-    def visit(comp: str, times: float, depth: int = 0):
-        nonlocal total
-        if depth > 64:
-            return
-        for _, _, opcode, rest, line in mod.parsed.get(comp, []):
-            called = re.findall(r"(?:to_apply|calls|body|condition|true_computation|"
-                                r"false_computation)=([\w.\-]+)", rest)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            if opcode == "while":
-                body = re.search(r"body=([\w.\-]+)", rest).group(1)
-                known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                trips = (int(known.group(1)) if known else
-                         dynamic_trips(_op_name(line)) if dynamic_trips else 1.0)
-                if not known:
-                    total += times * (trips + 1)
-                visit(body, times * trips, depth + 1)
-                continue
-            for callee in called + ([b.strip() for b in branches.group(1).split(",")]
-                                    if branches else []):
-                visit(callee, times, depth + 1)
-
-    visit(mod.entry, 1.0)
+    for name, times in hlo_report.execution_counts(mod.comps, mod.entry, dynamic_trips).items():
+        for line in mod.comps[name]:
+            loop = re.search(r"condition=([\w.\-]+), body=", line)
+            if loop and hlo_report._trip_count(line, mod.comps.get(loop.group(1), [])) is None:
+                trips = dynamic_trips(hlo_report._op_name(line)) if dynamic_trips else 1.0
+                total += times * (trips + 1)
     return total

@@ -64,8 +64,9 @@ def measure(cfg: Config, mesh, attention_pairs: dict | None = None
         "flops/optimizer": update_flops / mesh.devices.size,
         "host/activations": float(offloaded_activation_bytes(traced.jaxpr.jaxpr)),
     })
+    trips = expected_trips(cfg, attention_pairs)
     found = hlo_report.collectives(text, mesh, devices_per_node=cfg.mesh.devices_per_node,
-                                   dynamic_trips=expected_trips(cfg, attention_pairs))
+                                   dynamic_trips=trips)
     # a ragged exchange sends the filled rows of its buffers only: at the expected fill
     numbers.update(collective_numbers(hlo_report.summarize(
         [c.scaled(exchange_fill(c, cfg)) if c.op == "ragged-all-to-all" else c
@@ -79,23 +80,21 @@ def measure(cfg: Config, mesh, attention_pairs: dict | None = None
     facts = program_facts(text, cfg)
     # every launch in one class (kernel_classes.py); the memory-bound ones' bytes
     mod = hlo_program.Module(text)
-    trips = expected_trips(cfg, attention_pairs)
     classified = kernel_classes.kernels(mod, trips)
     facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg))
     facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
                                                 for k in classified if k.kind == "memory_bound"])
     numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
-    numbers.update(critical_numbers(cfg, text, mod, mesh, classified, trips))
+    numbers.update(critical_numbers(cfg, found, mod, classified, trips))
     return numbers, largest, facts
 
 
-def critical_numbers(cfg: Config, text: str, mod, mesh, classified, trips) -> dict[str, float]:
+def critical_numbers(cfg: Config, found, mod, classified, trips) -> dict[str, float]:
     """What the step waits for besides its kernels' work (critical_path.py), as the
-    flat `critical/…` numbers step_work.critical_fields reads."""
+    flat `critical/…` numbers step_work.critical_fields reads; `found`: the program's
+    collectives at the expected trips."""
     first = "dense_layers" if cfg.model.n_dense_layers else "moe_layers"
-    phases = critical_path.phase_bytes(text, mesh, devices_per_node=cfg.mesh.devices_per_node,
-                                       first_layers=first, dynamic_trips=trips,
-                                       fill=lambda c: exchange_fill(c, cfg))
+    phases = critical_path.phase_bytes(found, first, fill=lambda c: exchange_fill(c, cfg))
     out = {f"critical/{name}/{link}": value for name, row in phases.items()
            for link, value in row.items()}
     out["critical/launches"] = sum(k.runs for k in classified)
