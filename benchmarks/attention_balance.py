@@ -27,13 +27,13 @@ def main() -> None:
 
     from europa_jax.config_loader import load_config
     from europa_jax.model import flops
-    from europa_jax.plan import attention_cost
+    from europa_jax.plan import attention_cost, documents
 
     cfg = load_config(Path(__file__).parent.parent / "configs/europa-952b.yaml")
     m = cfg.model
     per_pair = 3 * 2 * m.n_layers * m.n_heads * (m.qk_head_dim + m.v_head_dim)  # fwd + bwd
     results = {"config": "europa-952b", "gpus": cfg.mesh.n_devices, "seq_len": cfg.data.seq_len,
-               "batches": args.batches, "documents": attention_cost.LONG_TAIL}
+               "batches": args.batches, "documents": documents.LONG_TAIL}
     for cp in (False, True):
         start = time.perf_counter()
         r = attention_cost.slowest_pairs(cfg, batches=args.batches, context_parallel=cp,

@@ -8,7 +8,7 @@ import pytest
 
 from europa_jax.config import MeshConfig
 from europa_jax.data.corpus import CorpusWriter
-from europa_jax.plan import attention_cost
+from europa_jax.plan import attention_cost, documents
 from conftest import config_path
 
 S = 64
@@ -56,7 +56,7 @@ def test_whole_row_documents_make_the_expected_the_worst_case(tiny_cfg):
 
 def test_context_parallelism_lowers_the_slowest_gpu_of_the_long_tail(tiny_cfg):
     cfg = cfg_of(tiny_cfg, rows=64, data=8)
-    lengths_W = attention_cost.long_tail_lengths(4000, seed=1) // 40 + 1  # rows of 64
+    lengths_W = documents.long_tail_lengths(4000, seed=1) // 40 + 1  # rows of 64
     by_rank = attention_cost.slowest_pairs(cfg, lengths_W, batches=8, context_parallel=False)
     by_node = attention_cost.slowest_pairs(cfg, lengths_W, batches=8, context_parallel=True)
     r, n = by_rank["pairs_per_gpu"], by_node["pairs_per_gpu"]
@@ -131,7 +131,7 @@ def test_each_row_of_a_call_runs_only_its_own_chunk_pairs():
 
 def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):
     cfg = cfg_of(tiny_cfg)
-    lengths_W = attention_cost.long_tail_lengths(2000, seed=2) // 40 + 1
+    lengths_W = documents.long_tail_lengths(2000, seed=2) // 40 + 1
     r = attention_cost.slowest_pairs(cfg, lengths_W, batches=4, context_parallel=True)
     run, worst = r["kernel_pairs_per_gpu"], r["pairs_per_gpu"]["worst_case"]
     for way in ("forward", "backward"):

@@ -6,6 +6,7 @@ import pytest
 
 from europa_jax.plan import critical_path, hardware, hlo_program, step_time
 from europa_jax.plan.hlo_report import Collective
+from test_step_time import work
 
 GH = hardware.GH200_JUPITER
 FWD = "jit(train_step)/jvp()/shard_map/Transformer"
@@ -76,14 +77,6 @@ def test_a_data_dependent_loop_syncs_with_the_host_every_trip_and_at_its_end():
     mod = hlo_program.Module(LOOPS)
     trips = lambda name: 5.0 if "attention" in name else 1.0
     assert critical_path.loop_trips(mod, trips) == pytest.approx(18.0)
-
-
-def work(**kw) -> step_time.StepWork:
-    base = dict(dense_gemms=(), grouped_gemms=(), attention_forward_flops=0.0,
-                attention_backward_flops=0.0, memory_bytes=0.0, update_bytes=0.0,
-                to_host_bytes=0.0, to_device_bytes=0.0, nvlink_bytes=0.0, nvlink_peers=3,
-                infiniband_bytes=0.0)
-    return step_time.StepWork(**{**base, **kw})
 
 
 def test_chain_lines_wait_on_the_compute_stream_and_serial_phases_add_to_the_step():

@@ -208,7 +208,7 @@ class Layout:
 def _sent_rows(x_TD, token_S, send_counts_J, recv_counts_J, axis: comm.ExpertAxis,
                capacity: int):
     """Layout.sent_rows: rows gathered into the send buffer by slot, exchanged, received."""
-    ep, d = axis.size, x_TD.shape[1]
+    ep = axis.size
 
     def send(v_TX):
         buf_JCX = v_TX.at[token_S].get(mode="fill", fill_value=0).reshape(
@@ -219,7 +219,7 @@ def _sent_rows(x_TD, token_S, send_counts_J, recv_counts_J, axis: comm.ExpertAxi
     if axis.wire == "fp8" and ep > 1:
         q_TD, scale_TK = fp8_rows.quantize(x_TD)
         return fp8_rows.dequantize(send(q_TD), send(scale_TK), x_TD.dtype)
-    return send(x_TD.astype(axis.wire_dtype(x_TD.dtype))).astype(x_TD.dtype).reshape(-1, d)
+    return send(x_TD.astype(axis.wire_dtype(x_TD.dtype))).astype(x_TD.dtype)
 
 
 def _sent_rows_fwd(x_TD, token_S, send_counts_J, recv_counts_J, axis, capacity):

@@ -36,7 +36,6 @@ from europa_jax.data import packing
 from europa_jax.data.batch_plan import stream_chunk
 from europa_jax.model import attention
 from europa_jax.plan import documents
-from europa_jax.plan.documents import LONG_TAIL, long_tail_lengths  # noqa: F401 (callers)
 from europa_jax.plan.step_time import backward_per_forward
 
 DEFAULT_BATCHES = 32

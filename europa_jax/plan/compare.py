@@ -46,18 +46,18 @@ def compare(cfg: Config, plan_one: Callable[..., dict], corpus: str | None = Non
             ) -> dict[str, Any]:
     """Plan both layouts on both document models: `plan_one(cfg, documents_model=…,
     corpus=…, block_skipping=…)` is plan.plan with the command's other arguments."""
-    models = ([("corpus", corpus)] if corpus else [(documents.DEFAULT, None)]) + [
-        ("long-tail", None)]
+    # (name in the table, documents model, corpus): a corpus takes the default's place
+    models = [("corpus", documents.DEFAULT, corpus) if corpus else
+              (documents.DEFAULT, documents.DEFAULT, None), ("long-tail", "long-tail", None)]
     rows = []
     for layout in LAYOUTS:
         layout_cfg = cfg if layout == "ours" else recipe_layout(cfg)
-        for name, path in models:
-            report = plan_one(layout_cfg, documents_model=name if not path else
-                              documents.DEFAULT, corpus=path,
+        for name, model, path in models:
+            report = plan_one(layout_cfg, documents_model=model, corpus=path,
                               block_skipping=layout == "recipe")
             rows.append(row(layout, name, report))
     ratio = {}
-    for name, _ in models:
+    for name, _, _ in models:
         ours, recipe = (next(r for r in rows if r["layout"] == layout and r["documents"] == name)
                         for layout in LAYOUTS)
         if ours["tokens_per_s_per_gpu"] and recipe["tokens_per_s_per_gpu"]:

@@ -57,7 +57,7 @@ CLASSES = COMPUTE + ("host_copy",) + LINKS
 CHAIN = ("kernel_launches", "loop_trip_syncs", "in_layer_exchange")
 SERIAL = ("update_exchange", "fill_drain")
 LINES = CHAIN + SERIAL
-PEAK_SHARE = {"bf16": 1.0, "fp8": 1.0}  # FP8 GEMMs priced at BF16's until measured
+FLASH_BACKWARD_PER_FORWARD = 2.5  # FlashAttention's convention: equal head dims
 
 
 def backward_per_forward(d_qk: int, d_v: int) -> float:
@@ -85,7 +85,7 @@ class StepWork:
     nvlink_bytes: float
     nvlink_peers: int
     infiniband_bytes: float
-    attention_backward_ratio: float = 2.5  # backward_per_forward of the model's head dims
+    attention_backward_ratio: float = FLASH_BACKWARD_PER_FORWARD  # backward_per_forward
     # critical_path.py: kernel launches and data-dependent loop trips per step; the
     # (NVLink, InfiniBand) bytes of the in-layer exchanges, the update's collectives and
     # the first gathers + last reduce-scatters (their bytes are in the totals above too)
@@ -116,9 +116,9 @@ def attention_flops(pairs_per_gpu: float, *, heads: int, d_qk: int, d_v: int, la
 
 
 def peak_share(hw: Hardware, math: str) -> float:
-    """A GEMM's FLOP peak over BF16's for the math it runs in (kernel_classes.gemm_math)."""
-    return {"tf32": hw.tf32_per_bf16, "fp32": hw.fp32_per_bf16}.get(math, PEAK_SHARE.get(
-        math, 1.0))
+    """A GEMM's FLOP peak over BF16's for the math it runs in (kernel_classes.gemm_math;
+    FP8 GEMMs priced at BF16's until measured)."""
+    return {"tf32": hw.tf32_per_bf16, "fp32": hw.fp32_per_bf16}.get(math, 1.0)
 
 
 def gemm_seconds(rows, curve, hw: Hardware, case: str, *, math: bool = True) -> list[float]:
@@ -258,9 +258,9 @@ def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
     out = {}
     for case in CASES:
         bf16 = sum(gemm_seconds(work.dense_gemms, hw.dense_gemm, hw, case, math=False))
-        ratio = work.attention_backward_ratio / 2.5
+        flash = FLASH_BACKWARD_PER_FORWARD / work.attention_backward_ratio
         seconds = {"tf32_gemms": by_case[case]["dense_gemm"] - bf16,
-                   "mla_backward_ratio": by_case[case]["attention_backward"] * (1 - 1 / ratio),
+                   "mla_backward_ratio": by_case[case]["attention_backward"] * (1 - flash),
                    **{k: by_case[case][k] for k in LINES}}
         for name, value in seconds.items():
             out.setdefault(name, {"seconds": {}, "source": LINE_SOURCES[name]})[
