@@ -130,3 +130,45 @@ def test_the_attention_backward_costs_its_five_matmuls_at_the_head_dims():
     backward = e["by_class"]["attention_backward"]["seconds"]["expected"]
     assert e["lines"]["mla_backward_ratio"]["seconds"]["expected"] == pytest.approx(
         backward * 0.1 / 2.6)
+
+
+COVERED = """HloModule m
+
+ENTRY %main (x: bf16[64,8]) -> bf16[64,8] {
+  %x = bf16[64,8]{1,0} parameter(0)
+  %ra = ((bf16[64,8]{1,0}, bf16[64,8]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, s64[4]{0}), bf16[64,8]{1,0}) ragged-all-to-all-start(%x, %x, %o, %s, %o, %s), replica_groups={{0,1,2,3}}
+  %shared_gemm = bf16[64,8]{1,0} custom-call(%x, %x), custom_call_target="__cublas$lt$matmul"
+  %ra_done = bf16[64,8]{1,0} ragged-all-to-all-done(%ra)
+  %cp = ((bf16[64,8]{1,0}), bf16[64,8]{1,0}) all-to-all-start(%x), replica_groups={{0,1,2,3}}, metadata={op_name="jit(f)/jvp()/attention/all_to_all"}
+  %cp_done = bf16[64,8]{1,0} all-to-all-done(%cp)
+  ROOT %y = bf16[64,8]{1,0} add(%ra_done, %cp_done)
+}
+"""
+
+
+@pytest.mark.parametrize("kernel_seconds, share", [(1.0, 0.5), (3.0, 1.0), (0.0, 0.0)])
+def test_kernels_scheduled_while_an_exchange_is_in_flight_cover_their_share_of_it(
+        kernel_seconds, share):
+    """An in-layer exchange (a ragged one: 2 s at its links' peak) with a GEMM between its
+    start and done covers min(1, GEMM's seconds / exchange's) of its bytes; the exchange
+    with nothing between covers none."""
+    mod = hlo_program.Module(COVERED)
+    ragged = Collective("ragged-all-to-all", ("expert",), "bf16", 100.0, 1.0, 40.0, "")
+    cp = Collective("all-to-all", ("expert",), "bf16", 100.0, 1.0, 0.0,
+                    "jit(f)/jvp()/attention/all_to_all")
+    of_line = lambda line, times: [ragged if "ragged" in line else cp]
+    seconds_of = lambda name: kernel_seconds if name == "shared_gemm" else 0.0
+    nvlink, between = critical_path.covered_exchange_bytes(
+        mod, of_line, seconds_of, lambda c: 2.0 if c is ragged else 1.0, "dense_layers")
+    assert (nvlink, between) == pytest.approx((60.0 * share, 40.0 * share))
+
+
+def test_covered_exchange_bytes_leave_the_in_layer_line():
+    nvlink_bw = 3 * GH.nvlink_pair_bandwidth * GH.nvlink.expected
+    w = work(nvlink_bytes=9e11, in_layer_exchange_bytes=(8e11, 0.0))
+    covered = work(nvlink_bytes=9e11, in_layer_exchange_bytes=(5e11, 0.0),
+                   in_layer_covered_bytes=(3e11, 0.0))
+    s, c = (step_time.price(x, GH, "expected") for x in (w, covered))
+    assert c["in_layer_exchange"] == pytest.approx(s["in_layer_exchange"] - 3e11 / nvlink_bw)
+    e = step_time.estimate(covered, GH, tokens_per_device=1.0, model_flops=1.0)
+    assert e["lines"]["in_layer_exchange"]["covered_nvlink_bytes"] == 3e11

@@ -131,6 +131,11 @@ def test_grouped_matmuls_forward_and_weight_gradient(found):
     window = s["grouped_gemm"]["windows"][0]
     assert window["rows_per_expert"] == 64 * 0.5 / 4 and window["runs"] == 2
     assert s["grouped_gemm"]["flops"] == 2 * (2 * 64 * 32 * 16) * 0.5
+    # a window handed the layer's whole stack reaches only its group's experts
+    reach = kernel_classes.summary(list(found.values()), grouped_fill=0.5, window_experts=2)
+    window = reach["grouped_gemm"]["windows"][0]
+    assert window["experts"] == 2 and window["rows_per_expert"] == 64 * 0.5 / 2
+    assert reach["grouped_gemm"]["flops"] == s["grouped_gemm"]["flops"]
 
 
 def test_library_kernels_are_named_by_the_call_the_lowering_names():

@@ -14,9 +14,10 @@ The overlap model (step_time.py) lets every collective run beside compute. Some 
 - `in_layer_exchange`: the exchanges of activations inside the forward and backward (the
   MoE's dispatch and combine, context parallelism's head all-to-alls and its gathers
   and reduce-scatters of keys and values over the node) sit between the kernels
-  that make their input and those that use it: the compute stream waits for them. (The
-  shared expert could run beside the MoE's; the plan does not count on XLA's schedule
-  doing so.)
+  that make their input and those that use it: the compute stream waits for them, less
+  what the kernels XLA's latency-hiding scheduler put between an exchange's start and
+  its done cover (`covered_exchange_bytes`: e.g. the shared expert's GEMMs beside the
+  MoE's dispatch).
 Op names say the phase: jax names the forward and backward `…jvp(…)…` (the update has no
 such name) and a scanned layer's ops `…/while/body/…`; ragged all-to-alls carry no op
 name and are always the MoE's exchange.
@@ -81,6 +82,44 @@ def phase_bytes(found: list[hlo_report.Collective], first_layers: str,
         out[name]["infiniband_bytes"] += between
         out[name]["nvlink_bytes"] += c.bytes_per_device * share - between
     return out
+
+
+def covered_exchange_bytes(mod: Module, collectives_of: Callable[[str, float], list],
+                           seconds_of: Callable[[str], float],
+                           link_seconds: Callable[[hlo_report.Collective], float],
+                           first_layers: str, dynamic_trips: Callable[[str], float] | None = None
+                           ) -> tuple[float, float]:
+    """(NVLink, InfiniBand) bytes per step of the in-layer exchanges that kernels run while
+    they are in flight: for each exchange's start, the kernels scheduled in the same
+    computation before its done — `seconds_of(instruction)`, one run's time at the peak
+    of what bounds it — against the exchange's own time at its links' peak
+    (`link_seconds` of `collectives_of(start line, executions per step)`), the covered
+    share of its bytes: min(1, kernels' seconds / exchange's). Both at peak, a lower bound
+    on neither; the kernels of a loop or call between the two count nothing."""
+    nvlink = between = 0.0
+    for comp, times in hlo_report.execution_counts(mod.comps, mod.entry, dynamic_trips).items():
+        open_starts: dict[str, list] = {}  # start → [its collectives, kernels' seconds]
+        for name, _, opcode, rest, line in mod.parsed.get(comp, []):
+            if opcode.endswith("-done"):
+                start = (mod.operands(rest) or [""])[0]
+                found, covering = open_starts.pop(start, (None, 0.0))
+                for c in found or []:
+                    exchange = link_seconds(c)
+                    share = min(1.0, covering * times / exchange) if exchange > 0 else 0.0
+                    nvlink += (c.bytes_per_device - c.infiniband_bytes) * share
+                    between += c.infiniband_bytes * share
+                continue
+            if opcode.endswith("-start") and opcode.removesuffix("-start") in (
+                    "ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter"):
+                found = [c for c in collectives_of(line, times)
+                         if (phase(c, first_layers) or ("",))[0] == "in_layer_exchange"]
+                if found:
+                    open_starts[name] = [found, 0.0]
+                continue
+            run = seconds_of(name)
+            for window in open_starts.values():
+                window[1] += run
+    return nvlink, between
 
 
 def loop_trips(mod: Module, dynamic_trips: Callable[[str], float] | None = None) -> float:

@@ -25,8 +25,8 @@ import jax
 from europa_jax.config import Config
 from europa_jax.model import attention, kernels, moe, moe_dispatch
 from europa_jax.parallel import sharding
-from europa_jax.plan import (critical_path, exchange, gpu_target, hbm_traffic, hlo_program,
-                             hlo_report, kernel_classes)
+from europa_jax.plan import (critical_path, exchange, gpu_target, hardware, hbm_traffic,
+                             hlo_program, hlo_report, kernel_classes)
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -37,11 +37,13 @@ MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code", "host_
 HOST_MEMORY_SPACE = ":S(5)}"  # GPU layouts mark pinned host buffers with memory space 5
 
 
-def measure(cfg: Config, mesh, attention_pairs: dict | None = None
+def measure(cfg: Config, mesh, attention_pairs: dict | None = None,
+            machine: hardware.Hardware = hardware.GH200_JUPITER
             ) -> tuple[dict[str, float], dict[str, list[dict]], dict]:
     """Compile the step of `cfg` for the GPU mesh: numbers (flat, as step_compile's),
     the largest buffers, and what the kernel checks read from the program; loops whose
-    trip count is data at `expected_trips(cfg, attention_pairs)`."""
+    trip count is data at `expected_trips(cfg, attention_pairs)`; `machine`'s peaks
+    say what the kernels beside an in-layer exchange cover of it."""
     trainer = train.build_trainer(cfg, mesh)
     state, batch = trainer.abstract_state, train.abstract_batch(trainer)
     # FLOPs are the lowered matmuls; a library attention kernel is one custom call that
@@ -81,38 +83,89 @@ def measure(cfg: Config, mesh, attention_pairs: dict | None = None
     # every launch in one class (kernel_classes.py); the memory-bound ones' bytes
     mod = hlo_program.Module(text)
     classified = kernel_classes.kernels(mod, trips)
-    facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg))
+    facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg),
+                                                     window_experts=window_experts(cfg))
     facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
                                                 for k in classified if k.kind == "memory_bound"])
     numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
-    numbers.update(critical_numbers(cfg, found, mod, classified, trips))
+    numbers.update(critical_numbers(cfg, found, mod, classified, trips, mesh, machine))
     return numbers, largest, facts
 
 
-def critical_numbers(cfg: Config, found, mod, classified, trips) -> dict[str, float]:
+def critical_numbers(cfg: Config, found, mod, classified, trips, mesh,
+                     machine: hardware.Hardware = hardware.GH200_JUPITER) -> dict[str, float]:
     """What the step waits for besides its kernels' work (critical_path.py), as the
     flat `critical/…` numbers step_work.critical_fields reads; `found`: the program's
     collectives at the expected trips."""
     first = "dense_layers" if cfg.model.n_dense_layers else "moe_layers"
-    phases = critical_path.phase_bytes(found, first, fill=lambda c: exchange_fill(c, cfg))
+    fill = lambda c: exchange_fill(c, cfg)
+    phases = critical_path.phase_bytes(found, first, fill=fill)
     out = {f"critical/{name}/{link}": value for name, row in phases.items()
            for link, value in row.items()}
     out["critical/launches"] = sum(k.runs for k in classified)
     out["critical/loop_trips"] = critical_path.loop_trips(mod, trips)
+    nvlink = machine.nvlink_bandwidth(cfg.mesh.node_group - 1)
+
+    def collectives_of(line: str, times: float) -> list[hlo_report.Collective]:
+        return [c.scaled(fill(c)) if c.op == "ragged-all-to-all" else c
+                for c in hlo_report.line_collectives(line, mesh, times,
+                                                     cfg.mesh.devices_per_node)]
+
+    covered = critical_path.covered_exchange_bytes(
+        mod, collectives_of, kernel_peak_seconds(mod, classified, machine, window_fill(cfg)),
+        lambda c: ((c.bytes_per_device - c.infiniband_bytes) / nvlink
+                   + c.infiniband_bytes / machine.network_bandwidth),
+        first, trips)
+    out["critical/in_layer_covered/nvlink_bytes"] = covered[0]
+    out["critical/in_layer_covered/infiniband_bytes"] = covered[1]
     return out
+
+
+def kernel_peak_seconds(mod, classified, machine: hardware.Hardware, grouped_fill: float):
+    """instruction name → one run's seconds at the peak of what bounds it (GEMM FLOPs at
+    their math's peak, a grouped matmul's at its expected fill, a memory-bound kernel's
+    bytes at HBM's peak); 0 for what is priced from elsewhere (attention's pairs, copies
+    to the host, collectives)."""
+    from europa_jax.plan import step_time
+
+    peak = {}
+    for k in classified:
+        if k.kind == "dense_gemm":
+            run = k.flops_per_run / (machine.bf16_flops * step_time.peak_share(machine, k.math))
+        elif k.kind == "grouped_gemm":
+            run = k.flops_per_run * grouped_fill / machine.bf16_flops
+        elif k.kind == "memory_bound":
+            run = hbm_traffic.kernel_bytes(mod, k.launch).bytes_per_run / machine.hbm_bandwidth
+        else:
+            run = 0.0
+        peak[k.launch.name] = run
+    return lambda name: peak.get(name, 0.0)
+
+
+def _windows(cfg: Config):
+    """How the GPU program visits a device's experts (moe.local_experts): (its experts,
+    the Windows of the library path or None)."""
+    e_local = cfg.model.n_routed_experts // cfg.mesh.expert
+    how = moe.local_experts(moe.dispatch_tokens(cfg), dataclasses.replace(
+        cfg.model, grouped_matmul=kernels.grouped_matmul_impl(cfg.model, "gpu")), e_local)
+    return e_local, how.windows
 
 
 def window_fill(cfg: Config) -> float:
     """The share of an expert window's rows routing is expected to fill: a device
     receives t·k copies on average (t tokens dispatched at once, top-k), split over its
     expert groups, and a window is `moe_buffer_factor` × that, in whole kernel tiles."""
-    tokens = moe.dispatch_tokens(cfg)
-    e_local = cfg.model.n_routed_experts // cfg.mesh.expert
-    how = moe.local_experts(tokens, dataclasses.replace(cfg.model, grouped_matmul=(
-        kernels.grouped_matmul_impl(cfg.model, "gpu"))), e_local)
-    if how.windows is None:
+    _, windows = _windows(cfg)
+    if windows is None:
         return 1.0
-    return min(1.0, tokens * cfg.model.top_k / how.windows.groups / how.windows.window)
+    return min(1.0, moe.dispatch_tokens(cfg) * cfg.model.top_k / windows.groups
+               / windows.window)
+
+
+def window_experts(cfg: Config) -> int:
+    """The experts one window's rows reach: its group's (expert_windows.py)."""
+    e_local, windows = _windows(cfg)
+    return e_local // windows.groups if windows else e_local
 
 
 def expected_trips(cfg: Config, attention_pairs: dict | None = None):

@@ -252,25 +252,32 @@ def collectives(hlo: str, mesh: Mesh, keep: Callable[[str], bool] | None = None,
     found = []
     for name, times in execution_counts(comps, entry, dynamic_trips).items():
         for line in comps[name]:
-            match = _INSTR.match(line)
-            if not match or (keep and not keep(line)):
-                continue
-            op = match.group(2).removesuffix("-start")
-            if op not in COLLECTIVES:
-                continue
-            groups = _groups(line)
-            n = len(groups[0]) if groups else 1
-            axes = axes_of_groups(groups, mesh) if groups else ()
-            between = links.inter_node_share(op, groups, devices_per_node, line)
-            # Operands are named without shapes (unoptimized HLO) or mixed into an async
-            # start's tuple: sizes come from the result. XLA combines collectives of
-            # different dtypes into one (an fp8 gather with the fp32 router's): per dtype.
-            for dtype, result_bytes in _bytes_by_dtype(_result_shape(match.group(2),
-                                                                     match.group(1))).items():
-                moved = _moved_bytes(op, result_bytes, n) * times
-                found.append(Collective(op, axes, dtype, moved, times, moved * between,
-                                        _op_name(line)))
+            if not keep or keep(line):
+                found += line_collectives(line, mesh, times, devices_per_node)
     return found
+
+
+def line_collectives(line: str, mesh: Mesh, times: float,
+                     devices_per_node: int = MeshConfig.devices_per_node) -> list[Collective]:
+    """The collective of one HLO instruction executed `times` per step, one per dtype it
+    carries (none for an instruction that is no collective or a `-done`)."""
+    match = _INSTR.match(line)
+    op = match.group(2).removesuffix("-start") if match else ""
+    if op not in COLLECTIVES:
+        return []
+    groups = _groups(line)
+    n = len(groups[0]) if groups else 1
+    axes = axes_of_groups(groups, mesh) if groups else ()
+    between = links.inter_node_share(op, groups, devices_per_node, line)
+    # Operands are named without shapes (unoptimized HLO) or mixed into an async start's
+    # tuple: sizes come from the result. XLA combines collectives of different dtypes into
+    # one (an fp8 gather with the fp32 router's): per dtype.
+    out = []
+    for dtype, result_bytes in _bytes_by_dtype(_result_shape(match.group(2),
+                                                             match.group(1))).items():
+        moved = _moved_bytes(op, result_bytes, n) * times
+        out.append(Collective(op, axes, dtype, moved, times, moved * between, _op_name(line)))
+    return out
 
 
 def _moved_bytes(op: str, result_bytes: int, n: int) -> float:

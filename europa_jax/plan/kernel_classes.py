@@ -270,11 +270,14 @@ def kernels(hlo: str | Module, dynamic_trips: Callable[[str], float] | None = No
         mod, dynamic_trips)) if k is not None]
 
 
-def summary(found: list[Kernel], grouped_fill: float = 1.0) -> dict:
+def summary(found: list[Kernel], grouped_fill: float = 1.0,
+            window_experts: int | None = None) -> dict:
     """Per class: launches, runs per step, FLOPs and bytes; GEMMs by shape (largest FLOPs
-    first), grouped matmuls by window (`grouped_fill`: the share of a
-    window's rows routing is expected to fill), attention calls by shape, host copies by
-    direction. Kernels in data-dependent loops and branches count at their expected runs."""
+    first), grouped matmuls by window (`grouped_fill`: the share of a window's rows
+    routing is expected to fill; `window_experts`: the experts one window's rows reach at
+    most — a window's matmul may be handed the layer's whole stack of matrices, the other
+    groups' experts empty), attention calls by shape, host copies by direction. Kernels
+    in data-dependent loops and branches count at their expected runs."""
     out = {kind: {"launches": 0, "runs": 0.0, "flops": 0.0, "bytes": 0.0} for kind in CLASSES}
     dense, grouped = (collections.defaultdict(lambda: [0.0, 0.0]) for _ in range(2))
     attention = collections.defaultdict(float)
@@ -301,9 +304,10 @@ def summary(found: list[Kernel], grouped_fill: float = 1.0) -> dict:
           "bytes": moved, "flops": 2.0 * b * m * n * kk * runs}
          for ((b, m, n, kk), math), (runs, moved) in dense.items() if runs),
         key=lambda r: -r["flops"])
+    reached = lambda g: min(g, window_experts or g)
     out["grouped_gemm"]["windows"] = sorted(
-        ({"rows": w, "experts": g, "k": kk, "n": n, "runs": runs, "bytes": moved,
-          "fill": grouped_fill, "rows_per_expert": w * grouped_fill / g,
+        ({"rows": w, "experts": reached(g), "k": kk, "n": n, "runs": runs, "bytes": moved,
+          "fill": grouped_fill, "rows_per_expert": w * grouped_fill / reached(g),
           "flops": 2.0 * w * kk * n * runs * grouped_fill}
          for (w, g, kk, n), (runs, moved) in grouped.items() if runs),
         key=lambda r: -r["flops"])

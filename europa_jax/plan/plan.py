@@ -132,7 +132,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
     start = time.perf_counter()
     try:
         if gpu:
-            numbers, largest, facts = gpu_program.measure(cfg, mesh, attention)
+            numbers, largest, facts = gpu_program.measure(cfg, mesh, attention, machine)
         elif probe_moe_layers:
             a, b = sorted(probe_moe_layers)
             at_a, _ = measure(with_moe_layers(cfg, a), mesh)

@@ -91,7 +91,8 @@ class StepWork:
     # the first gathers + last reduce-scatters (their bytes are in the totals above too)
     launches: float = 0.0
     loop_trips: float = 0.0
-    in_layer_exchange_bytes: tuple[float, float] = (0.0, 0.0)
+    in_layer_exchange_bytes: tuple[float, float] = (0.0, 0.0)  # less what kernels cover:
+    in_layer_covered_bytes: tuple[float, float] = (0.0, 0.0)  # scheduled in flight
     update_exchange_bytes: tuple[float, float] = (0.0, 0.0)
     fill_drain_bytes: tuple[float, float] = (0.0, 0.0)
 
@@ -243,7 +244,8 @@ LINE_SOURCES = {
                        "trips) × hardware.loop_trip_sync",
     "in_layer_exchange": "the forward's and backward's activation exchanges (MoE dispatch "
                          "and combine, context parallelism) waited for on the compute "
-                         "stream, at their link's speed (critical_path.py)",
+                         "stream, at their link's speed, less the bytes the kernels "
+                         "scheduled while they are in flight cover (critical_path.py)",
     "update_exchange": "the optimizer update's collectives (Muon's re-layout), serial "
                        "(critical_path.py)",
     "fill_drain": "the first weight gathers and the last gradient reduce-scatters of the "
@@ -270,6 +272,9 @@ def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
     for name in ("in_layer_exchange", "update_exchange", "fill_drain"):
         nvlink, between = getattr(work, f"{name}_bytes")
         out[name].update(nvlink_bytes=nvlink, infiniband_bytes=between)
+    covered_nvlink, covered_between = work.in_layer_covered_bytes
+    out["in_layer_exchange"].update(covered_nvlink_bytes=covered_nvlink,
+                                    covered_infiniband_bytes=covered_between)
     return out
 
 

@@ -83,9 +83,12 @@ def critical_fields(numbers: dict[str, float]) -> dict[str, Any]:
     pair = lambda phase: (numbers.get(f"critical/{phase}/nvlink_bytes", 0.0),
                           numbers.get(f"critical/{phase}/infiniband_bytes", 0.0))
     fill, drain = pair("fill"), pair("drain")
+    # what kernels scheduled beside an exchange cover of it is no wait (critical_path.py)
+    in_layer, covered = pair("in_layer_exchange"), pair("in_layer_covered")
     return {"launches": numbers.get("critical/launches", 0.0),
             "loop_trips": numbers.get("critical/loop_trips", 0.0),
-            "in_layer_exchange_bytes": pair("in_layer_exchange"),
+            "in_layer_exchange_bytes": (in_layer[0] - covered[0], in_layer[1] - covered[1]),
+            "in_layer_covered_bytes": covered,
             "update_exchange_bytes": pair("update_exchange"),
             "fill_drain_bytes": (fill[0] + drain[0], fill[1] + drain[1])}
 
