@@ -107,21 +107,25 @@ def _sort(experts_RU, e: int, groups: int):
 
 
 def matmul_kernel(impl: str, platform: str | None = None):
-    """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix;
-    rows past the groups are zeros."""
+    """rows [W, K] × expert matrices [E, K, N] → [W, N], each row by its group's matrix.
+
+    The rows past the groups are *undefined*: tokamax's Mosaic GPU kernel leaves them
+    unwritten (whatever that memory held). Nothing reads them but what `past_groups_zeroed`
+    cleans first: a window's output rows there are dropped by its scatter (their row index
+    is the out-of-range "none"), and a kernel never reads a row outside its groups — except
+    the weight-gradient kernel, which walks whole 128-row tiles and masks by multiplying
+    (0·NaN = NaN; tests/test_gpu_interpreter.py). Zeroing every output instead cost a pass
+    over each window's rows (0.5 TB of HBM per europa-952b step)."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot
-    matmul = kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
+    return kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
 
-    def written(rows, w, sizes):
-        # tokamax's Mosaic GPU kernel leaves the rows past the groups unwritten (whatever
-        # that memory held); its weight-gradient kernel walks whole 128-row tiles and
-        # masks by multiplying (0·NaN = NaN): garbage there would reach the weight
-        # gradients of the experts whose last tile holds it (tests/test_gpu_interpreter.py)
-        out = matmul(rows, w, sizes)
-        return jnp.where((jnp.arange(out.shape[0]) < sizes.sum())[:, None], out, 0)
 
-    return written
+def past_groups_zeroed(a_WX, sizes_E):
+    """`a_WX` with its rows past the groups (those a grouped matmul leaves undefined) zero:
+    for the weight-gradient kernel's operands. A `where` the producer's elementwise fusion
+    takes in, not a pass of its own."""
+    return jnp.where((jnp.arange(a_WX.shape[0]) < sizes_E.sum())[:, None], a_WX, 0)
 
 
 def contract_kernel(impl: str, platform: str | None = None):
@@ -140,7 +144,7 @@ def contract_kernel(impl: str, platform: str | None = None):
 
 class _Window:
     """Window `w` of one group: which copies (sorted positions) and rows it holds, and how
-    many of them each of the group's experts has."""
+    many of them each of the device's experts has (zero outside the group)."""
 
     def __init__(self, order_M, start, count, sizes_E, w, rows: int, u: int, r: int):
         m = order_M.shape[0]
@@ -159,10 +163,14 @@ class _Window:
 
 
 def _group_runs(sizes_E, groups: int):
-    """Per group: where its copies start in sorted order, how many, its experts' sizes."""
+    """Per group: where its copies start in sorted order, how many, and the copies per
+    expert with every other group's experts at zero ([G, E]): the layer's whole stack of
+    matrices then serves each group's matmuls, the kernel skipping empty experts, instead
+    of a copy of the group's slice per group (1.3 GB per group in europa-952b's forward)."""
     e = sizes_E.shape[0]
     start_E = jnp.cumsum(sizes_E) - sizes_E
-    sizes_GE = sizes_E.reshape(groups, e // groups)
+    in_group_GE = jnp.arange(e)[None, :] // (e // groups) == jnp.arange(groups)[:, None]
+    sizes_GE = jnp.where(in_group_GE, sizes_E[None, :], 0)
     return start_E[:: e // groups], sizes_GE.sum(axis=1), sizes_GE
 
 
@@ -171,15 +179,16 @@ def _n_windows(count, rows: int):
 
 
 def _swiglu_window(mm, x_WD, w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E):
+    """A window's SwiGLU; its rows past the groups undefined (`matmul_kernel`)."""
     gate_WF, up_WF = mm(x_WD, w_gate_EDF, sizes_E), mm(x_WD, w_up_EDF, sizes_E)
     hidden_WF = jax.nn.silu(gate_WF) * up_WF
     return mm(hidden_WF, w_down_EFD, sizes_E), (gate_WF, up_WF, hidden_WF)
 
 
-def _group_of(weights, g, groups: int, dtype):
-    """Group g's experts' matrices (slices of the layer's: no stacked copy of them)."""
-    eg = weights[0].shape[0] // groups
-    return tuple(jax.lax.dynamic_slice_in_dim(w, g * eg, eg, 0).astype(dtype) for w in weights)
+def _group_slice(a_E, g, groups: int):
+    """Group g's experts' part of a per-expert array (a slice: no stacked copy)."""
+    eg = a_E.shape[0] // groups
+    return jax.lax.dynamic_slice_in_dim(a_E, g * eg, eg, 0)
 
 
 # ----------------------------------------------------------------------------- forward, backward
@@ -189,21 +198,22 @@ def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
     r, dt = x_RD.shape[0], x_RD.dtype
     mm, rows = matmul_kernel(plan.impl, plan.platform), plan.window
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
+    mats = tuple(w.astype(dt) for w in weights)
 
-    def add_window(w, y_RD, mats, start, count, sizes):
+    def add_window(w, y_RD, start, count, sizes):
         win = _Window(order_M, start, count, sizes, w, rows, u, r)
         out_WD, _ = _swiglu_window(mm, win.gather(x_RD), *mats, win.sizes_E)
         gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
+        # rows past the groups (undefined) go to row r: dropped
         return y_RD.at[win.row_W].add(out_WD.astype(jnp.float32) * gate_W[:, None],
                                       mode="drop")
 
     def group(y_RD, xs):
-        g, start, count, sizes = xs
-        mats = _group_of(weights, g, plan.groups, dt)
+        _, start, count, sizes = xs
         # window 0 always runs; a group that received more copies loops over the rest
-        y_RD = add_window(0, y_RD, mats, start, count, sizes)
+        y_RD = add_window(0, y_RD, start, count, sizes)
         return jax.lax.fori_loop(1, _n_windows(count, rows), lambda w, y: add_window(
-            w, y, mats, start, count, sizes), y_RD), None
+            w, y, start, count, sizes), y_RD), None
 
     y_RD, _ = jax.lax.scan(group, jnp.zeros((r, weights[2].shape[-1]), jnp.float32),
                            (jnp.arange(plan.groups), start_G, count_G, sizes_GE))
@@ -217,52 +227,57 @@ def _backward(x_RD, gates_M, weights, order_M, sizes_E, dy_RD, u: int, plan: Win
     contract = contract_kernel(plan.impl, plan.platform)
     start_G, count_G, sizes_GE = _group_runs(sizes_E, plan.groups)
     w_dtypes = tuple(w.dtype for w in weights)
+    w_gate, w_up, w_down = (w.astype(dt) for w in weights)
 
-    def window_grads(win, w_gate, w_up, w_down, w_gate_t, w_up_t, w_down_t, d_gates_M):
+    def window_grads(win, g, w_gate_t, w_up_t, w_down_t, d_gates_M):
         """One window: its rows' input gradients, its gates' gradients, and its part of
-        the group's weight gradients (float32)."""
+        its group's weight gradients (float32). Rows past the groups are undefined in
+        every matmul output (`matmul_kernel`): dropped by the scatters, zeroed where the
+        weight-gradient kernel reads them."""
         x_WD = win.gather(x_RD)
         out_WD, (gate_WF, up_WF, hidden_WF) = _swiglu_window(mm, x_WD, w_gate, w_up, w_down,
                                                              win.sizes_E)
+        sizes_e = _group_slice(win.sizes_E, g, plan.groups)  # the group's experts
         dy_WD = win.gather(dy_RD)
         gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
         # the gate weight's gradient: the copy's output against its row's cotangent
         d_gates_M = d_gates_M.at[win.copy_W].set(
             jnp.sum(out_WD.astype(jnp.float32) * dy_WD.astype(jnp.float32), axis=-1),
             mode="drop")
+        # zero past the groups: dy's gather fills 0 there and so does the gate's
         d_out_WD = (dy_WD.astype(jnp.float32) * gate_W[:, None]).astype(dt)
-        d_hidden_WF = mm(d_out_WD, w_down_t, win.sizes_E).astype(jnp.float32)
+        d_hidden_WF = mm(d_out_WD, w_down_t, sizes_e).astype(jnp.float32)
         gate32_WF = gate_WF.astype(jnp.float32)
         sig_WF = jax.nn.sigmoid(gate32_WF)
-        d_up_WF = (d_hidden_WF * gate32_WF * sig_WF).astype(dt)
-        d_gate_WF = (d_hidden_WF * up_WF.astype(jnp.float32) * sig_WF
-                     * (1 + gate32_WF * (1 - sig_WF))).astype(dt)  # silu'
-        dx_WD = (mm(d_gate_WF, w_gate_t, win.sizes_E).astype(jnp.float32)
-                 + mm(d_up_WF, w_up_t, win.sizes_E).astype(jnp.float32)).astype(dt)
-        dw = (contract(x_WD, d_gate_WF, win.sizes_E), contract(x_WD, d_up_WF, win.sizes_E),
-              contract(hidden_WF, d_out_WD, win.sizes_E))
+        d_up_WF = past_groups_zeroed((d_hidden_WF * gate32_WF * sig_WF).astype(dt), sizes_e)
+        d_gate_WF = past_groups_zeroed((d_hidden_WF * up_WF.astype(jnp.float32) * sig_WF
+                                        * (1 + gate32_WF * (1 - sig_WF))).astype(dt),
+                                       sizes_e)  # silu'
+        dx_WD = (mm(d_gate_WF, w_gate_t, sizes_e).astype(jnp.float32)
+                 + mm(d_up_WF, w_up_t, sizes_e).astype(jnp.float32)).astype(dt)
+        dw = (contract(x_WD, d_gate_WF, sizes_e), contract(x_WD, d_up_WF, sizes_e),
+              contract(past_groups_zeroed(hidden_WF, sizes_e), d_out_WD, sizes_e))
         return dx_WD, d_gates_M, dw
 
     def group(carry, xs):
         dx_RD, d_gates_M = carry
         g, start, count, sizes = xs
-        w_gate, w_up, w_down = _group_of(weights, g, plan.groups, dt)
-        # laid out once per group (the group's share of the layer's weights), in the
-        # orientation the kernel multiplies by: [E, D, F]ᵀ → [E, F, D] and [E, F, D]ᵀ
-        w_gate_t, w_up_t, w_down_t = (jnp.swapaxes(w, 1, 2) for w in (w_gate, w_up, w_down))
-        mats = (w_gate, w_up, w_down, w_gate_t, w_up_t, w_down_t)
+        # the group's matrices laid out once, in the orientation the kernel multiplies
+        # by: [E, D, F]ᵀ → [E, F, D] and [E, F, D]ᵀ (the group's share of the layer's)
+        mats_t = tuple(jnp.swapaxes(_group_slice(w, g, plan.groups), 1, 2)
+                       for w in (w_gate, w_up, w_down))
 
         def add_window(w, carry):
             dx_RD, d_gates_M, dw = carry
             win = _Window(order_M, start, count, sizes, w, rows, u, r)
-            dx_WD, d_gates_M, dw_w = window_grads(win, *mats, d_gates_M)
+            dx_WD, d_gates_M, dw_w = window_grads(win, g, *mats_t, d_gates_M)
             return (dx_RD.at[win.row_W].add(dx_WD, mode="drop"), d_gates_M,
                     tuple(a + b for a, b in zip(dw, dw_w)))
 
         # window 0 writes the weight gradients (no zeros to add into); a group that
         # received more copies adds its further windows' in float32
         win = _Window(order_M, start, count, sizes, 0, rows, u, r)
-        dx_WD, d_gates_M, dw = window_grads(win, *mats, d_gates_M)
+        dx_WD, d_gates_M, dw = window_grads(win, g, *mats_t, d_gates_M)
         dx_RD = dx_RD.at[win.row_W].add(dx_WD, mode="drop")
         dx_RD, d_gates_M, dw = jax.lax.fori_loop(1, _n_windows(count, rows), add_window,
                                                  (dx_RD, d_gates_M, dw))
