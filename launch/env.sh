@@ -23,17 +23,18 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # the exchange runs on NCCL send/recv, which XLA refuses at run time from jax 0.11 on
 # ("RaggedAllToAll fallback to NCCL is not allowed") unless allowed by the second flag.
 # GEMMs on cuBLAS, not Triton: XLA's Triton GEMM fusion fails to tile some Newton–Schulz
-# matmuls when compiled ahead of time, and `europa-jax plan --target gh200` compiles with
-# exactly this option (europa_jax/plan/gpu_target.py), so plan and run see the same program.
-# Memory slop 200 %: XLA's rematerialization pass counts the pinned-host (offloaded)
-# buffers against HBM, cannot meet that, and recomputes kernels for nothing (the plan
-# measured 0.07 GB saved, 9.3 TB of HBM traffic added per europa-952b step); same in the plan.
+# matmuls when compiled ahead of time.
+# Memory slop 400 %: XLA's rematerialization pass counts the pinned-host (offloaded)
+# buffers against HBM, cannot meet that, and recomputes kernels for nothing (under this
+# file's schedule at 200 %: the expert windows' fusions three times over, 1.0 GB off the
+# HBM peak, 3.1 s of memory-bound kernels added per europa-952b step, by the plan).
+# `europa-jax plan --target gh200` compiles with exactly these options (plan/gpu_target.py).
 europa_xla_flags=(
   --xla_gpu_enable_latency_hiding_scheduler=true
   --xla_gpu_enable_highest_priority_async_stream=true
-  --xla_gpu_enable_pipelined_all_gather=true
-  --xla_gpu_enable_pipelined_reduce_scatter=true
-  --xla_gpu_enable_pipelined_all_reduce=true
+  --xla_gpu_pipeline_all_gather=on
+  --xla_gpu_pipeline_reduce_scatter=on
+  --xla_gpu_pipeline_all_reduce=on
   --xla_gpu_enable_while_loop_double_buffering=true
   --xla_gpu_all_gather_combine_threshold_bytes=1073741824
   --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824
@@ -43,7 +44,7 @@ europa_xla_flags=(
   --xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false
   --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true
   --xla_gpu_enable_triton_gemm=false
-  --xla_gpu_memory_limit_slop_factor=200
+  --xla_gpu_memory_limit_slop_factor=400
 )
 # The caller's XLA_FLAGS come last, so they override these.
 export XLA_FLAGS="${europa_xla_flags[*]} ${XLA_FLAGS:-}"

@@ -34,18 +34,50 @@ if TYPE_CHECKING:  # jax is imported where used: the toolchain check must not st
 
 GPUS_PER_NODE = 4  # JUPITER: 4 GH200 per node; a host of the topology is a node
 
-# XLA options every GPU-target compile uses. They are also in launch/env.sh's XLA_FLAGS, so
-# the plan compiles what a Jupiter rank compiles (tests/test_gpu_target.py keeps the two
-# in step). Triton GEMMs off: deviceless, XLA's Triton GEMM fusion fails to tile some
-# Newton–Schulz matmuls ("Couldn't find output tile sizes", f32[1920,1920]), and cuBLAS
-# is the GEMM path most GPU training stacks pin (MaxText's recommended flags).
-# Memory slop 200 %: XLA:GPU's rematerialization pass counts the step's pinned-host buffers
-# (europa-952b: 57 GB of offloaded layer inputs) against the HBM limit it aims for, cannot
-# reach it, and recomputes kernels all the same — measured on europa-952b's program, it
-# took 0.07 GB off the HBM peak and added 9.3 TB of HBM traffic per step (the MoE windows'
-# gathers three times over). Twice the device memory keeps it out of the way; the HBM
-# peak stays the plan's to check.
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_memory_limit_slop_factor": 200}
+# XLA options of every GPU-target compile: exactly launch/env.sh's XLA_FLAGS, so the plan
+# compiles the program a Jupiter rank runs (tests/test_gpu_target.py keeps the two equal).
+# Why each is there is said in env.sh. The schedule options matter to the plan as much as
+# to the run: without the latency-hiding scheduler and the pipelined collectives (XLA's
+# defaults: off) europa-952b's program differs — no kernel between an MoE exchange's start
+# and done, 5.5 TB less HBM traffic, 15 GB less HBM — and the plan priced a program no
+# rank ran (1,001 tokens/s/GPU against 960 for the run's; docs/plan.md).
+# Triton GEMMs off: deviceless, XLA's Triton GEMM fusion fails to tile some Newton–Schulz
+# matmuls ("Couldn't find output tile sizes", f32[1920,1920]), and cuBLAS is the GEMM path
+# most GPU training stacks pin (MaxText's recommended flags).
+# Memory slop 400 %: XLA:GPU's rematerialization pass counts the step's pinned-host buffers
+# (europa-952b: 67 GB of offloaded layer inputs and optimizer state) against the HBM limit
+# it aims for, cannot reach it, and recomputes kernels all the same. At 200 % it stayed out
+# of the way until the latency-hiding scheduler's schedule (166 GiB counted) crossed the
+# limit: then it recomputed the expert windows' fusions three times over for 1.0 GB of HBM
+# (38.8 TB of non-matmul HBM traffic per step against 30.6, 3.1 s). 400 % keeps it out; the
+# HBM peak stays the plan's to check.
+RUN_XLA_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    # (jax 0.12's XLA: the enum options that the deprecated
+    # xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true map to)
+    "xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 1073741824,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 1073741824,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 1073741824,
+    "xla_gpu_enable_all_gather_combine_by_dim": False,
+    "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
+    "xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel": False,
+    "xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback": True,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_memory_limit_slop_factor": 400,
+}
+COMPILER_OPTIONS = RUN_XLA_OPTIONS
+PIPELINING_MODE = "COLLECTIVE_PIPELINING_MODE_"
+
+
+def xla_flag(option: str, value) -> str:
+    """A compiler option as XLA_FLAGS spells it (`--xla_…=true`, `=on` for an enum mode)."""
+    text = str(value)
+    return f"--{option}={text.removeprefix(PIPELINING_MODE).lower()}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
