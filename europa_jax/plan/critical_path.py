@@ -94,8 +94,8 @@ def covered_exchange_bytes(mod: Module, collectives_of: Callable[[str, float], l
     computation before its done — `seconds_of(instruction)`, one run's time at the peak
     of what bounds it — against the exchange's own time at its links' peak
     (`link_seconds` of `collectives_of(start line, executions per step)`), the covered
-    share of its bytes: min(1, kernels' seconds / exchange's). Both at peak, a lower bound
-    on neither; the kernels of a loop or call between the two count nothing."""
+    share of its bytes: min(1, kernels' seconds / exchange's), both sides timed at their
+    peaks. The kernels of a loop or call between the two count nothing."""
     nvlink = between = 0.0
     for comp, times in hlo_report.execution_counts(mod.comps, mod.entry, dynamic_trips).items():
         open_starts: dict[str, list] = {}  # start → [its collectives, kernels' seconds]

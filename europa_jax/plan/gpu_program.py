@@ -26,7 +26,7 @@ from europa_jax.config import Config
 from europa_jax.model import attention, kernels, moe, moe_dispatch
 from europa_jax.parallel import sharding
 from europa_jax.plan import (critical_path, exchange, gpu_target, hardware, hbm_traffic,
-                             hlo_program, hlo_report, kernel_classes)
+                             hlo_program, hlo_report, kernel_classes, step_time)
 from europa_jax.plan.report_text import size
 from europa_jax.plan.step_compile import (TOP_BUFFERS, collective_numbers, lower_loss, lower_update,
                                           lowered_hlo, offloaded_activation_bytes, without_remat)
@@ -126,8 +126,6 @@ def kernel_peak_seconds(mod, classified, machine: hardware.Hardware, grouped_fil
     their math's peak, a grouped matmul's at its expected fill, a memory-bound kernel's
     bytes at HBM's peak); 0 for what is priced from elsewhere (attention's pairs, copies
     to the host, collectives)."""
-    from europa_jax.plan import step_time
-
     peak = {}
     for k in classified:
         if k.kind == "dense_gemm":
