@@ -7,8 +7,8 @@ import re
 import pytest
 
 from europa_jax.parallel import offload
-from europa_jax.plan import (critical_path, gpu_program, gpu_target, hlo_report, kernel_classes,
-                             step_compile)
+from europa_jax.plan import (critical_path, gpu_program, gpu_target, hlo_program, hlo_report,
+                             kernel_classes, step_compile)
 from europa_jax.train import train
 from test_gpu_target import gpu_cfg, needs_toolchain, optimized_text
 
@@ -131,3 +131,17 @@ def test_the_programs_collectives_fall_in_the_phases_the_estimate_charges(cfg, s
                   if c.op in ("all-gather", "reduce-scatter") and "data" in c.axes)
     assert charged < total and weights > sum(phases["fill"].values()) + sum(
         phases["drain"].values())
+
+
+@needs_toolchain
+def test_kernels_the_scheduler_puts_beside_an_exchange_cover_part_of_it(cfg, step_text):
+    """Compiled with the run's latency-hiding scheduler, the tiny step has kernels between
+    some in-layer exchange's start and its done: they cover a share of the in-layer bytes,
+    never more than all of them."""
+    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
+    found = hlo_report.collectives(step_text, mesh, devices_per_node=cfg.mesh.devices_per_node)
+    mod = hlo_program.Module(step_text)
+    numbers = gpu_program.critical_numbers(cfg, found, mod, kernel_classes.kernels(mod), None,
+                                           mesh)
+    covered = numbers["critical/in_layer_covered/nvlink_bytes"]
+    assert 0 < covered <= numbers["critical/in_layer_exchange/nvlink_bytes"] * (1 + 1e-9)
