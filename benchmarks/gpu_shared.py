@@ -57,6 +57,6 @@ def run_as_a_rank() -> None:
         os.environ.setdefault("XLA_CLIENT_MEM_FRACTION",
                               str(gpu_target.TARGETS["gh200"].mem_fraction))
     flags = os.environ.get("XLA_FLAGS", "")
-    ours = [gpu_target.xla_flag(k, v) for k, v in gpu_target.COMPILER_OPTIONS.items()
+    ours = [gpu_target.xla_flag(k, v) for k, v in gpu_target.RUN_XLA_OPTIONS.items()
             if f"--{k}=" not in flags]
     os.environ["XLA_FLAGS"] = " ".join([*ours, flags]).strip()

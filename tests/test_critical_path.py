@@ -156,7 +156,8 @@ def test_kernels_scheduled_while_an_exchange_is_in_flight_cover_their_share_of_i
     ragged = Collective("ragged-all-to-all", ("expert",), "bf16", 100.0, 1.0, 40.0, "")
     cp = Collective("all-to-all", ("expert",), "bf16", 100.0, 1.0, 0.0,
                     "jit(f)/jvp()/attention/all_to_all")
-    of_line = lambda line, times: [ragged if "ragged" in line else cp]
+    of_line = lambda line, times: ([ragged] if "ragged-all-to-all-start" in line else
+                                   [cp] if "all-to-all-start" in line else [])
     seconds_of = lambda name: kernel_seconds if name == "shared_gemm" else 0.0
     nvlink, between = critical_path.covered_exchange_bytes(
         mod, of_line, seconds_of, lambda c: 2.0 if c is ragged else 1.0, "dense_layers")

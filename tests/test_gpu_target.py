@@ -456,7 +456,7 @@ def test_the_plan_compiles_with_exactly_the_launch_env_s_xla_flags():
     text = open(os.path.join(REPO, "launch", "env.sh")).read()
     flags = set(re.findall(r"--xla_\w+=\S+", text))
     assert flags == {gpu_target.xla_flag(option, value)
-                     for option, value in gpu_target.COMPILER_OPTIONS.items()}
+                     for option, value in gpu_target.RUN_XLA_OPTIONS.items()}
 
 
 def test_hlo_report_reads_async_starts_per_dtype():

@@ -115,7 +115,7 @@ def matmul_kernel(impl: str, platform: str | None = None):
     is the out-of-range "none"), and a kernel never reads a row outside its groups — except
     the weight-gradient kernel, which walks whole 128-row tiles and masks by multiplying
     (0·NaN = NaN; tests/test_gpu_interpreter.py). Zeroing every output instead cost a pass
-    over each window's rows (0.5 TB of HBM per europa-952b step)."""
+    over each window's rows (0.56 TB of HBM per europa-952b step)."""
     if impl == "ragged_dot":
         return jax.lax.ragged_dot
     return kernels.tokamax_ragged(impl, platform=platform)  # exactly one implementation
@@ -166,7 +166,7 @@ def _group_runs(sizes_E, groups: int):
     """Per group: where its copies start in sorted order, how many, and the copies per
     expert with every other group's experts at zero ([G, E]): the layer's whole stack of
     matrices then serves each group's matmuls, the kernel skipping empty experts, instead
-    of a copy of the group's slice per group (1.3 GB per group in europa-952b's forward)."""
+    of a copy of the group's slice per group (1.32 GB per group in europa-952b's forward)."""
     e = sizes_E.shape[0]
     start_E = jnp.cumsum(sizes_E) - sizes_E
     in_group_GE = jnp.arange(e)[None, :] // (e // groups) == jnp.arange(groups)[:, None]

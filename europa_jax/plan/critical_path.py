@@ -102,21 +102,19 @@ def covered_exchange_bytes(mod: Module, collectives_of: Callable[[str, float], l
         for name, _, opcode, rest, line in mod.parsed.get(comp, []):
             if opcode.endswith("-done"):
                 start = (mod.operands(rest) or [""])[0]
-                found, covering = open_starts.pop(start, (None, 0.0))
-                for c in found or []:
+                found, covering = open_starts.pop(start, ([], 0.0))
+                for c in found:
                     exchange = link_seconds(c)
                     share = min(1.0, covering * times / exchange) if exchange > 0 else 0.0
                     nvlink += (c.bytes_per_device - c.infiniband_bytes) * share
                     between += c.infiniband_bytes * share
                 continue
-            if opcode.endswith("-start") and opcode.removesuffix("-start") in (
-                    "ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter"):
-                found = [c for c in collectives_of(line, times)
-                         if (phase(c, first_layers) or ("",))[0] == "in_layer_exchange"]
-                if found:
-                    open_starts[name] = [found, 0.0]
+            found = [c for c in collectives_of(line, times)
+                     if (phase(c, first_layers) or ("",))[0] == "in_layer_exchange"]
+            if found:  # an in-layer exchange's start (a `-done` is none of these)
+                open_starts[name] = [found, 0.0]
                 continue
-            run = seconds_of(name)
+            run = seconds_of(name)  # 0 for what is no kernel (other collectives)
             for window in open_starts.values():
                 window[1] += run
     return nvlink, between

@@ -85,18 +85,22 @@ def measure(cfg: Config, mesh, attention_pairs: dict | None = None,
     classified = kernel_classes.kernels(mod, trips)
     facts["kernel_classes"] = kernel_classes.summary(classified, grouped_fill=window_fill(cfg),
                                                      window_experts=window_experts(cfg))
-    facts["hbm_traffic"] = hbm_traffic.summary([hbm_traffic.kernel_bytes(mod, k.launch)
-                                                for k in classified if k.kind == "memory_bound"])
+    memory_bound = [hbm_traffic.kernel_bytes(mod, k.launch)
+                    for k in classified if k.kind == "memory_bound"]
+    facts["hbm_traffic"] = hbm_traffic.summary(memory_bound)
     numbers["hbm/non_gemm_priced"] = hbm_traffic.priced_bytes(facts["hbm_traffic"])
-    numbers.update(critical_numbers(cfg, found, mod, classified, trips, mesh, machine))
+    numbers.update(critical_numbers(cfg, found, mod, classified, trips, mesh, machine,
+                                    memory_bound))
     return numbers, largest, facts
 
 
 def critical_numbers(cfg: Config, found, mod, classified, trips, mesh,
-                     machine: hardware.Hardware = hardware.GH200_JUPITER) -> dict[str, float]:
+                     machine: hardware.Hardware = hardware.GH200_JUPITER,
+                     memory_bound: list | None = None) -> dict[str, float]:
     """What the step waits for besides its kernels' work (critical_path.py), as the
     flat `critical/…` numbers step_work.critical_fields reads; `found`: the program's
-    collectives at the expected trips."""
+    collectives at the expected trips; `memory_bound`: the memory-bound kernels' bytes
+    (hbm_traffic.kernel_bytes of those in `classified`) when already read."""
     first = "dense_layers" if cfg.model.n_dense_layers else "moe_layers"
     fill = lambda c: exchange_fill(c, cfg)
     phases = critical_path.phase_bytes(found, first, fill=fill)
@@ -112,7 +116,8 @@ def critical_numbers(cfg: Config, found, mod, classified, trips, mesh,
                                                      cfg.mesh.devices_per_node)]
 
     covered = critical_path.covered_exchange_bytes(
-        mod, collectives_of, kernel_peak_seconds(mod, classified, machine, window_fill(cfg)),
+        mod, collectives_of, kernel_peak_seconds(mod, classified, machine, window_fill(cfg),
+                                                 memory_bound),
         lambda c: ((c.bytes_per_device - c.infiniband_bytes) / nvlink
                    + c.infiniband_bytes / machine.network_bandwidth),
         first, trips)
@@ -121,22 +126,22 @@ def critical_numbers(cfg: Config, found, mod, classified, trips, mesh,
     return out
 
 
-def kernel_peak_seconds(mod, classified, machine: hardware.Hardware, grouped_fill: float):
+def kernel_peak_seconds(mod, classified, machine: hardware.Hardware, grouped_fill: float,
+                        memory_bound: list | None = None):
     """instruction name → one run's seconds at the peak of what bounds it (GEMM FLOPs at
     their math's peak, a grouped matmul's at its expected fill, a memory-bound kernel's
-    bytes at HBM's peak); 0 for what is priced from elsewhere (attention's pairs, copies
-    to the host, collectives)."""
-    peak = {}
+    bytes — `memory_bound`'s, else read here — at HBM's peak); 0 for what is priced from
+    elsewhere (attention's pairs, copies to the host, collectives)."""
+    if memory_bound is None:
+        memory_bound = [hbm_traffic.kernel_bytes(mod, k.launch)
+                        for k in classified if k.kind == "memory_bound"]
+    peak = {kb.name: kb.bytes_per_run / machine.hbm_bandwidth for kb in memory_bound}
     for k in classified:
         if k.kind == "dense_gemm":
-            run = k.flops_per_run / (machine.bf16_flops * step_time.peak_share(machine, k.math))
+            peak[k.launch.name] = k.flops_per_run / (
+                machine.bf16_flops * step_time.peak_share(machine, k.math))
         elif k.kind == "grouped_gemm":
-            run = k.flops_per_run * grouped_fill / machine.bf16_flops
-        elif k.kind == "memory_bound":
-            run = hbm_traffic.kernel_bytes(mod, k.launch).bytes_per_run / machine.hbm_bandwidth
-        else:
-            run = 0.0
-        peak[k.launch.name] = run
+            peak[k.launch.name] = k.flops_per_run * grouped_fill / machine.bf16_flops
     return lambda name: peak.get(name, 0.0)
 
 

@@ -70,7 +70,6 @@ RUN_XLA_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_memory_limit_slop_factor": 400,
 }
-COMPILER_OPTIONS = RUN_XLA_OPTIONS
 PIPELINING_MODE = "COLLECTIVE_PIPELINING_MODE_"
 
 
@@ -215,7 +214,7 @@ def lowering(mesh_: jax.sharding.Mesh):
 
 
 def compile_lowered(lowered, mesh_: jax.sharding.Mesh):
-    """`lowered.compile()`, with COMPILER_OPTIONS when the mesh is made of GPUs."""
+    """`lowered.compile()`, with RUN_XLA_OPTIONS when the mesh is made of GPUs."""
     from jax._src import config as jax_config
 
     from europa_jax.parallel import sharding
@@ -224,5 +223,5 @@ def compile_lowered(lowered, mesh_: jax.sharding.Mesh):
         # not through the persistent compilation cache: jax 0.12 writes a compile-only
         # GPU program there but cannot load it back (no client: a warning, and a compile)
         with jax_config.enable_compilation_cache(False):
-            return lowered.compile(compiler_options=COMPILER_OPTIONS)
+            return lowered.compile(compiler_options=RUN_XLA_OPTIONS)
     return lowered.compile()
