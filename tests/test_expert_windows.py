@@ -105,6 +105,19 @@ def test_weight_gradients_are_accumulated_in_float32_and_rounded_once():
     assert error > 1e-3, error
 
 
+def test_the_backward_runs_eight_grouped_matmuls_per_window():
+    """The gate's gradient out·dy is taken as hidden·(dy·w_downᵀ), from the matmul the
+    hidden's gradient needs anyway: the backward recomputes gate and up (2), takes the
+    hidden's gradient (1), the rows' (2) and the weights' (3) — not the copy's output
+    too. Per window body: window 0 and the overflow loop's each (3 forward, 8 backward)."""
+    x, experts, gates, *w = inputs("random")
+    f = lambda x, g, *w: jnp.sum(windowed_experts(x, experts, g, *w, impl="ragged_dot",
+                                                  groups=1, window=R * U)[0])
+    count = lambda fn: str(jax.make_jaxpr(fn)(x, gates, *w)).count("ragged_dot_general[")
+    assert count(f) == 2 * 3
+    assert count(jax.grad(f, argnums=range(5))) == 2 * (3 + 8)
+
+
 def test_bad_groups_are_an_error():
     x, experts, gates, *w = inputs("random")
     with pytest.raises(ValueError, match="4 expert groups do not divide 6"):

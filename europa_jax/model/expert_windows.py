@@ -178,11 +178,11 @@ def _n_windows(count, rows: int):
     return (count + rows - 1) // rows
 
 
-def _swiglu_window(mm, x_WD, w_gate_EDF, w_up_EDF, w_down_EFD, sizes_E):
-    """A window's SwiGLU; its rows past the groups undefined (`matmul_kernel`)."""
+def _swiglu_hidden(mm, x_WD, w_gate_EDF, w_up_EDF, sizes_E):
+    """A window's (gate, up, hidden) of its SwiGLU; rows past the groups undefined
+    (`matmul_kernel`)."""
     gate_WF, up_WF = mm(x_WD, w_gate_EDF, sizes_E), mm(x_WD, w_up_EDF, sizes_E)
-    hidden_WF = jax.nn.silu(gate_WF) * up_WF
-    return mm(hidden_WF, w_down_EFD, sizes_E), (gate_WF, up_WF, hidden_WF)
+    return gate_WF, up_WF, jax.nn.silu(gate_WF) * up_WF
 
 
 def _group_slice(a_E, g, groups: int):
@@ -202,7 +202,8 @@ def _forward(x_RD, gates_M, weights, order_M, sizes_E, u: int, plan: Windows):
 
     def add_window(w, y_RD, start, count, sizes):
         win = _Window(order_M, start, count, sizes, w, rows, u, r)
-        out_WD, _ = _swiglu_window(mm, win.gather(x_RD), *mats, win.sizes_E)
+        _, _, hidden_WF = _swiglu_hidden(mm, win.gather(x_RD), *mats[:2], win.sizes_E)
+        out_WD = mm(hidden_WF, mats[2], win.sizes_E)
         gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
         # rows past the groups (undefined) go to row r: dropped
         return y_RD.at[win.row_W].add(out_WD.astype(jnp.float32) * gate_W[:, None],
@@ -233,30 +234,35 @@ def _backward(x_RD, gates_M, weights, order_M, sizes_E, dy_RD, u: int, plan: Win
         """One window: its rows' input gradients, its gates' gradients, and its part of
         its group's weight gradients (float32). Rows past the groups are undefined in
         every matmul output (`matmul_kernel`): dropped by the scatters, zeroed where the
-        weight-gradient kernel reads them."""
+        weight-gradient kernel reads them.
+
+        The copy's output is not recomputed: its gate's gradient out·dy equals
+        hidden·(dy·w_downᵀ), and dy·w_downᵀ is the hidden's gradient before the gate
+        weighs it: eleven grouped matmuls per window, forward and backward, not twelve,
+        and no [W, D] output or weighted dy written."""
         x_WD = win.gather(x_RD)
-        out_WD, (gate_WF, up_WF, hidden_WF) = _swiglu_window(mm, x_WD, w_gate, w_up, w_down,
-                                                             win.sizes_E)
+        gate_WF, up_WF, hidden_WF = _swiglu_hidden(mm, x_WD, w_gate, w_up, win.sizes_E)
         sizes_e = _group_slice(win.sizes_E, g, plan.groups)  # the group's experts
-        dy_WD = win.gather(dy_RD)
+        dy_WD = win.gather(dy_RD)  # zero past the groups: the gather fills 0 there
         gate_W = gates_M.at[win.copy_W].get(mode="fill", fill_value=0.0)
-        # the gate weight's gradient: the copy's output against its row's cotangent
-        d_gates_M = d_gates_M.at[win.copy_W].set(
-            jnp.sum(out_WD.astype(jnp.float32) * dy_WD.astype(jnp.float32), axis=-1),
-            mode="drop")
-        # zero past the groups: dy's gather fills 0 there and so does the gate's
-        d_out_WD = (dy_WD.astype(jnp.float32) * gate_W[:, None]).astype(dt)
-        d_hidden_WF = mm(d_out_WD, w_down_t, sizes_e).astype(jnp.float32)
+        d_hidden_unweighted_WF = mm(dy_WD, w_down_t, sizes_e).astype(jnp.float32)
         gate32_WF = gate_WF.astype(jnp.float32)
         sig_WF = jax.nn.sigmoid(gate32_WF)
+        hidden32_WF = hidden_WF.astype(jnp.float32)
+        d_gates_M = d_gates_M.at[win.copy_W].set(
+            jnp.sum(hidden32_WF * d_hidden_unweighted_WF, axis=-1), mode="drop")
+        d_hidden_WF = d_hidden_unweighted_WF * gate_W[:, None]
         d_up_WF = past_groups_zeroed((d_hidden_WF * gate32_WF * sig_WF).astype(dt), sizes_e)
         d_gate_WF = past_groups_zeroed((d_hidden_WF * up_WF.astype(jnp.float32) * sig_WF
                                         * (1 + gate32_WF * (1 - sig_WF))).astype(dt),
                                        sizes_e)  # silu'
         dx_WD = (mm(d_gate_WF, w_gate_t, sizes_e).astype(jnp.float32)
                  + mm(d_up_WF, w_up_t, sizes_e).astype(jnp.float32)).astype(dt)
+        # Σ (gate·hidden)ᵀ·dy = Σ hiddenᵀ·(gate·dy): the gate weighs the narrower operand
+        weighted_hidden_WF = past_groups_zeroed((hidden32_WF * gate_W[:, None]).astype(dt),
+                                                sizes_e)
         dw = (contract(x_WD, d_gate_WF, sizes_e), contract(x_WD, d_up_WF, sizes_e),
-              contract(past_groups_zeroed(hidden_WF, sizes_e), d_out_WD, sizes_e))
+              contract(weighted_hidden_WF, dy_WD, sizes_e))
         return dx_WD, d_gates_M, dw
 
     def group(carry, xs):
