@@ -368,7 +368,11 @@ def run_training(cfg, run_dir: str | None) -> int:
         return exit_codes.CRASH
     except Preempted as e:
         print(f"europa-jax: {e}", file=sys.stderr)
-        return exit_codes.PREEMPTED
+        return exit_codes.INTERRUPTED if e.interrupted else exit_codes.PREEMPTED
+    except KeyboardInterrupt:  # before the loop took Ctrl-C over, or a second Ctrl-C
+        print("europa-jax: interrupted (Ctrl-C): nothing saved since the last checkpoint; "
+              "the same command resumes from it", file=sys.stderr)
+        return exit_codes.INTERRUPTED
     except NonFiniteStop as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE

@@ -141,6 +141,39 @@ def test_sigterm_finishes_the_step_saves_exits_for_requeue_and_resumes(
 
 
 @pytest.mark.slow
+def test_ctrl_c_finishes_the_step_saves_says_so_in_one_line_and_the_rerun_resumes(
+        tmp_path, cli_env, reference_run):
+    """A user's Ctrl-C is a stop request like the scheduler's: no traceback, the step in
+    flight saved, exit 130 (not the requeue code); the same command resumes exactly."""
+    proc = start_cli(tmp_path, cli_env, "checkpoint.every_steps=0")
+    wait_for_step(proc, tmp_path, 3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == exit_codes.INTERRUPTED, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    (saved,) = checkpoint.committed_steps(tmp_path)
+    assert f"europa-jax: interrupted (Ctrl-C): saved step {saved}; the same command " \
+           "resumes from it" in err
+    assert "Ctrl-C again to quit without saving" in err
+    assert len(metrics(tmp_path)) == saved
+    rc, _, err = run_cli(tmp_path, cli_env, "checkpoint.every_steps=0")
+    assert rc == exit_codes.OK, err[-3000:]
+    assert "no checkpoint in" not in err
+    assert_same_run(tmp_path, reference_run)
+
+
+def test_a_second_ctrl_c_quits_at_once():
+    from europa_jax.run.preemption import StopRequests
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal_name == "SIGINT"  # the first: a request, the step goes on
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # the loop's handlers are gone after it
+
+
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_checkpoint(
         tmp_path, cli_env):
     # A learning rate of 1e30 makes step 1's update overflow: every later loss is NaN.

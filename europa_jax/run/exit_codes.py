@@ -13,3 +13,5 @@ NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`; last go
 PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL).
 # Also a hang the watchdog broke (watchdog.py): nothing saved, the requeue resumes from
 # the last checkpoint
+INTERRUPTED = 130  # Ctrl-C (SIGINT; 128 + 2, the shell's code): the step finished and was
+# saved, the same command resumes; a second Ctrl-C quits at once, nothing more saved

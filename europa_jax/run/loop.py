@@ -128,6 +128,8 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     start.restored = restored is not None
     start_step = restored.step if restored else 0
+    if restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
+        log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
     step_fn, executable = jit_train_step(trainer), None

@@ -7,6 +7,10 @@ its own, one would enter a save (a collective) while another entered the next tr
 (another collective) and the job would hang. So the handler only sets a flag, and after
 every step all processes combine their flags with a tiny all-gather: they see the same
 answer after the same step, save that step together and exit with `exit_codes.PREEMPTED`.
+
+Ctrl-C (SIGINT) at a terminal is the same request from a user: the step finishes, is saved,
+and the run exits with `exit_codes.INTERRUPTED`; a second Ctrl-C quits at once without
+saving (KeyboardInterrupt), for a user who will not wait.
 """
 
 from __future__ import annotations
@@ -15,15 +19,21 @@ import signal
 
 from europa_jax.run import distributed, logs
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):
     """Raised by the loop after the state of `step` has been saved because of a stop request."""
 
     def __init__(self, step: int, signal_name: str | None):
-        super().__init__(f"stop requested ({signal_name or 'by another process'}): saved step "
-                         f"{step}, exiting for requeue")
+        self.interrupted = signal_name == "SIGINT"  # by a user at a terminal, not a scheduler
+        if self.interrupted:
+            message = (f"interrupted (Ctrl-C): saved step {step}; the same command resumes "
+                       "from it")
+        else:
+            message = (f"stop requested ({signal_name or 'by another process'}): saved step "
+                       f"{step}, exiting for requeue")
+        super().__init__(message)
         self.step = step
 
 
@@ -33,6 +43,7 @@ class StopRequests:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self._interrupts = 0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequests":
@@ -46,9 +57,15 @@ class StopRequests:
 
     def _handle(self, signum, _frame) -> None:
         # Only a flag: the step in flight must finish, and the save must be collective.
-        self.signal_name = signal.Signals(signum).name
-        logs.signal_safe_line("WARNING", __name__, f"{self.signal_name} received: finishing "
-                              "the current step, then saving")
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self._interrupts:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt  # a second Ctrl-C: quit now, nothing more saved
+        self._interrupts += name == "SIGINT"
+        self.signal_name = self.signal_name or name  # the first request names the stop
+        again = " (Ctrl-C again to quit without saving)" if name == "SIGINT" else ""
+        logs.signal_safe_line("WARNING", __name__, f"{name} received: finishing the current "
+                              f"step, then saving{again}")
 
     def agree_with(self, values) -> tuple[bool, "np.ndarray"]:
         """(True on every process iff any process has been asked to stop, `values`
