@@ -83,3 +83,15 @@ def test_a_second_job_is_refused_on_every_process(holder, cli_env):  # noqa: F81
     assert "process 0 could not lock it" in errs[1]
     assert [p.name for p in directory.iterdir()] == [run_lock.LOCK_FILE]  # nothing written
 
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, cli_env):  # noqa: F811
+    """Under a regular file (as under /proc or a read-only mount): not a traceback."""
+    from test_checkpoint import run_cli
+    (tmp_path / "file").write_text("")
+    rc, _, err = run_cli(tmp_path / "file" / "run", cli_env)
+    assert rc == exit_codes.BAD_INPUT, err[-2000:]
+    assert "Traceback" not in err
+    line = next(line for line in err.splitlines() if "cannot use it" in line)
+    assert line.endswith(f"{tmp_path / 'file' / 'run'}: cannot use it as the run directory: "
+                         "Not a directory (choose another with --run-dir)")

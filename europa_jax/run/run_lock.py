@@ -39,6 +39,11 @@ class RunDirInUse(ConfigError):
     """Another process holds the directory's lock (exit 2: nothing was written)."""
 
 
+class RunDirUnusable(ConfigError):
+    """The run directory cannot be made or written (permissions, a read-only or virtual
+    file system): exit 2, one line naming it."""
+
+
 class Lock:
     """A held lock: the open descriptor is the lock; `release()` closes it."""
 
@@ -54,8 +59,12 @@ class Lock:
 def lock(directory: str | Path, command: str) -> Lock:
     """Lock `directory` (made if missing) for this process, or raise `RunDirInUse`."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirUnusable(f"{directory}: cannot use it as the run directory: "
+                             f"{e.strerror or e} (choose another with --run-dir)") from None
     if not _try_lock(fd, directory):
         return Lock(None)
     # Who holds it, for the refusal above; written through the locked descriptor (closing
@@ -110,11 +119,11 @@ def hold(directory: str | Path, command: str) -> Iterator[None]:
         made = not directory.exists()
         try:
             held = lock(directory, command)
-        except RunDirInUse as e:
-            refusal = str(e)
+        except (RunDirInUse, RunDirUnusable) as e:
+            refusal = e
     if not distributed.all_processes(refusal is None):
-        raise RunDirInUse(refusal or f"{directory}: process 0 could not lock it (its log says "
-                          "who holds it)")
+        raise refusal or RunDirInUse(f"{directory}: process 0 could not lock it (its log says "
+                                     "why)")
     try:
         yield
     finally:
