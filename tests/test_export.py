@@ -3,7 +3,9 @@ transformers, exact round trip, file layout, and refusals that write nothing (a 
 weights directory named tensor by tensor, a run directory in use)."""
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -49,6 +51,16 @@ def exported_fp32(trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "fp32"
     export(run_dir, out, dtype="fp32", max_shard_bytes=400_000)
     return out
+
+
+def test_every_exported_file_has_the_mode_the_umask_gives(exported_fp32):
+    """Weights included (safetensors writes them 0600): a shared cluster's teammates and
+    serving jobs read them as they read the config."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported_fp32.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert modes == {name: 0o666 & ~umask for name in modes}
 
 
 def test_exported_model_matches_transformers_logits_per_document(trained, exported_fp32):

@@ -66,6 +66,17 @@ def prepare_output(out_dir: Path, overwrite: bool, *, create: bool = True,
     return tmp
 
 
+def readable_as_umask_allows(directory: Path) -> None:
+    """Every file under `directory` at the mode a plain `open` gives under the process's
+    umask (0644 under 022): safetensors' `save_file` writes its files 0600, which teammates
+    and serving jobs on a shared cluster cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def commit_output(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists():
         shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
@@ -200,6 +211,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         else:
             tokenizer_files = []
             log.warning(f"tokenizer files not written: {no_tokenizer}")
+        readable_as_umask_allows(tmp)
         commit_output(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
