@@ -283,6 +283,15 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `europa-jax report … | head`: the reader has what it wanted
+        # Python's recipe: stdout to /dev/null, so the interpreter's last flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return exit_codes.OK
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.verbosity)
     if args.command == "report":  # no jax
