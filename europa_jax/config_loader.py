@@ -35,7 +35,18 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
     try:
         return from_dict(Config, raw)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{_origin(str(e), path, overrides)}: {e}") from None
+
+
+def _origin(message: str, path: Path, overrides: typing.Sequence[str]) -> str:
+    """Where the key a message names (its first word) came from: the last `--set` that
+    set it (or a section above it), else the file."""
+    key = message.split(":", 1)[0]
+    for item in reversed(overrides):
+        set_key = item.split("=", 1)[0].strip()
+        if set_key == key or set_key.startswith(key + "."):
+            return f"--set {item} (on {path})"
+    return str(path)
 
 
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:

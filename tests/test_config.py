@@ -1,5 +1,8 @@
 """Every config mistake is a one-line ConfigError naming the key and value."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from europa_jax.config import check_device_count, ConfigError
@@ -56,6 +59,18 @@ def test_config_errors(tmp_path, overrides, message):
         load(tmp_path, *overrides)
     assert "\n" not in str(info.value)
     assert "tiny-cpu.yaml" in str(info.value) or overrides == ["train.steps"]
+    # the --set that set the key the error names, not the file, is blamed
+    assert any(str(info.value).startswith(f"--set {item} (on ") for item in overrides) or \
+        overrides == ["train.steps"], str(info.value)
+
+
+def test_a_key_the_file_sets_is_blamed_on_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(config_path("tiny-cpu.yaml")).read_text()
+                   .replace("\n  steps:", "\n  stepz:", 1))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: train\.stepz: unknown "
+                                          r"key; did you mean 'train\.steps'\?$"):
+        load_config(bad, ["optim.learning_rate=1e-3"])
 
 
 def test_mesh_must_match_device_count():
