@@ -162,6 +162,21 @@ def test_ctrl_c_finishes_the_step_saves_says_so_in_one_line_and_the_rerun_resume
     assert_same_run(tmp_path, reference_run)
 
 
+@pytest.mark.slow
+def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_path, cli_env):
+    """Without warm-up, 4 steps end on the decay's floor at step 4; 6 steps are still on
+    the plateau there."""
+    rc, _, err = run_cli(tmp_path, cli_env, "train.steps=4", "optim.warmup_steps=0")
+    assert rc == exit_codes.OK, err[-3000:]
+    assert f"no checkpoint in {tmp_path / 'checkpoints'}: starting at step 0" in err
+    rc, _, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
+    assert rc == exit_codes.OK, err[-3000:]
+    assert "resuming step 4 with settings changed since it was saved: train.steps 4 → 6; " \
+           "the learning rate at step 4 moves from" in err
+    (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
+    assert changed["step"] == 4 and changed["keys"] == ["train.steps"]
+
+
 def test_a_second_ctrl_c_quits_at_once():
     from europa_jax.run.preemption import StopRequests
     before = signal.getsignal(signal.SIGINT)

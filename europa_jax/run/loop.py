@@ -25,7 +25,7 @@ from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
 from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, logs,
-                            run_lock, run_log, timeline, trackers)
+                            resume_changes, run_lock, run_log, timeline, trackers)
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
@@ -130,6 +130,12 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     start_step = restored.step if restored else 0
     if restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
         log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
+    if restored and is_primary:  # settings changed since the save, said before they act
+        saved = restored.meta.get("config", {})
+        changed = resume_changes.describe(saved, cfg, restored.step)
+        if changed:
+            events("config_changed", changed, level=logging.WARNING, step=restored.step,
+                   keys=[k for k, _, _ in resume_changes.changed_keys(saved, cfg)])
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
     step_fn, executable = jit_train_step(trainer), None
