@@ -169,6 +169,7 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=4", "optim.warmup_steps=0")
     assert rc == exit_codes.OK, err[-3000:]
     assert f"no checkpoint in {tmp_path / 'checkpoints'}: starting at step 0" in err
+    assert "compiling the train step for 8 devices" in err  # not a silent minute
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
     assert rc == exit_codes.OK, err[-3000:]
     assert "resuming step 4 with settings changed since it was saved: train.steps 4 → 6; " \

@@ -166,6 +166,9 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 faults.before_step(done)
                 if executable is None:  # compiled here, with the batch's shapes, then met
                     clock.phase("compile")
+                    if is_primary:  # the longest silence of a start otherwise
+                        log.info(f"compiling the train step for {jax.device_count()} "
+                                 "devices: the first step waits for it")
                     compiled = compile_cache.compile_step(
                         step_fn, state, batch, barrier_timeout_s=distributed.init_timeout_s())
                     executable = compiled.executable
