@@ -110,6 +110,15 @@ def test_bad_input_is_one_line_error_and_leaves_nothing(tmp_path, setup, message
     check_bad_input(tmp_path, setup, message)
 
 
+def test_a_bad_record_names_the_way_past_it(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "x.jsonl").write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:2: not valid JSON .*\(or pass --skip-bad "
+                                        r"to skip and count such records\)$"):
+        prepare.prepare_corpus([src / "x.jsonl"], tmp_path / "out", BYTES, progress=False)
+
+
 def check_bad_input(tmp_path, setup, message):
     """`prepare` on what `setup` writes fails with one line starting with `message` (its
     {d}: the input directory) and leaves no output, not even a temporary directory."""

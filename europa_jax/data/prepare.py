@@ -90,7 +90,8 @@ def iter_documents(files: Sequence[Path], text_field: str = "text", *,
         for item in readers.read(path, text_field=text_field, decode=decode):
             if isinstance(item, BadRecord):
                 if bad is None:
-                    raise DataError(item.message)
+                    raise DataError(f"{item.message} (or pass --skip-bad to skip and count "
+                                    "such records)")
                 bad.add(item)
             else:
                 yield item
