@@ -213,11 +213,18 @@ def test_orbax_checkpoint_of_the_iterator_resumes_exactly(corpus, two_epochs, tm
         np.testing.assert_array_equal(got["tokens"], want["tokens"])
 
 
-def test_state_from_another_pipeline_is_refused(corpus):
+def test_state_from_another_pipeline_is_refused_naming_what_changed_and_the_way_on(
+        corpus, tmp_path):
     state = iterator(corpus).get_state()
-    with pytest.raises(DataError, match=re.escape("saved {'seq_len': 64}, this run "
-                                                  "{'seq_len': 32}")):
+    with pytest.raises(DataError, match=re.escape(
+            "saved for a different pipeline: seq_len 64 → 32. Resume with the data settings "
+            "it was saved with, or train into a new --run-dir")):
         iterator(corpus, seq_len=32).set_state(state)
+    other = write_identity_corpus(tmp_path / "other", [S] * ROWS)
+    with pytest.raises(DataError, match=re.escape(
+            f"corpus {pipeline._corpus_id(corpus)} ({corpus.path}) → "
+            f"{pipeline._corpus_id(other)} ({other.path})")):
+        iterator(other).set_state(state)
 
 
 def test_max_documents_uses_the_first_documents(corpus):

@@ -93,7 +93,7 @@ def test_resume_continues_exactly(corpora):
     for _ in range(37):
         next(it)
     state = it.get_state()
-    assert set(state) == {"batch", "positions", "offsets", "pipeline"}
+    assert set(state) == {"batch", "positions", "offsets", "pipeline", "corpus_paths"}
     expected = [next(it) for _ in range(5)]
     fresh = mixture(corpora)
     fresh.set_state(state)

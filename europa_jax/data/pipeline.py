@@ -59,9 +59,10 @@ class BatchStats:
 
 
 class _PlanIterator(grain.DatasetIterator):
-    def __init__(self, planner: Planner, fingerprint: dict):
+    def __init__(self, planner: Planner, fingerprint: dict, paths: list[str]):
         super().__init__()
         self._planner, self._fingerprint = planner, fingerprint
+        self._paths = paths  # the corpora's directories: for messages, not the fingerprint
         self._batch = 0
         self._positions = [0] * len(planner.streams)
         self._offsets = [0] * len(planner.streams)
@@ -77,15 +78,20 @@ class _PlanIterator(grain.DatasetIterator):
             where = {"position": self._positions[0], "offset": self._offsets[0]}
         else:
             where = {"positions": list(self._positions), "offsets": list(self._offsets)}
-        return {"batch": self._batch, **where, "pipeline": dict(self._fingerprint)}
+        return {"batch": self._batch, **where, "pipeline": dict(self._fingerprint),
+                "corpus_paths": list(self._paths)}
 
     def set_state(self, state: dict) -> None:
         saved = state.get("pipeline")
         if saved != self._fingerprint:
-            diff = {k: (saved or {}).get(k) for k, v in self._fingerprint.items()
-                    if (saved or {}).get(k) != v}
-            raise DataError(f"data iterator state was saved for a different pipeline: saved "
-                            f"{diff}, this run {({k: self._fingerprint[k] for k in diff})}")
+            saved = saved or {}
+            was = ", ".join(state.get("corpus_paths") or ["paths not recorded"])
+            changes = [f"corpus {saved.get(k)} ({was}) → {v} ({', '.join(self._paths)})"
+                       if k == "corpus" else f"{k} {saved.get(k)!r} → {v!r}"
+                       for k, v in self._fingerprint.items() if saved.get(k) != v]
+            raise DataError(f"data iterator state was saved for a different pipeline: "
+                            f"{'; '.join(changes)}. Resume with the data settings it was "
+                            "saved with, or train into a new --run-dir")
         self._batch = int(state["batch"])
         if "positions" in state:
             self._positions = [int(p) for p in state["positions"]]
@@ -95,12 +101,13 @@ class _PlanIterator(grain.DatasetIterator):
 
 
 class _PlanDataset(grain.IterDataset):
-    def __init__(self, order: grain.MapDataset, planner: Planner, fingerprint: dict):
+    def __init__(self, order: grain.MapDataset, planner: Planner, fingerprint: dict,
+                 paths: list[str]):
         super().__init__(order)
-        self._planner, self._fingerprint = planner, fingerprint
+        self._planner, self._fingerprint, self._paths = planner, fingerprint, paths
 
     def __iter__(self) -> _PlanIterator:
-        return _PlanIterator(self._planner, self._fingerprint)
+        return _PlanIterator(self._planner, self._fingerprint, self._paths)
 
 
 class _ReadRows:
@@ -253,7 +260,8 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
                       n_rows=global_batch_size, n_ranks=n_ranks, balance=balance,
                       ranks_per_unit=ranks_per_node if balance_nodes else 1)
     rows = global_batch_size // process_count
-    dataset = _PlanDataset(streams[0].order, planner, fingerprint).map(
+    paths = [str(s.corpus.path) for s in sources]
+    dataset = _PlanDataset(streams[0].order, planner, fingerprint, paths).map(
         _ReadRows([s.corpus for s in sources], lo=process_index * rows,
                   hi=(process_index + 1) * rows, seq_len=seq_len,
                   ranks_per_node=ranks_per_node))
