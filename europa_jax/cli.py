@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set optim.learning_rate=1e-3")
-    train.add_argument("--run-dir", help="where metrics.jsonl goes (default: train.run_dir)")
+    train.add_argument("--run-dir", help="the run's directory: checkpoints, metrics, logs; "
+                       "an existing one resumes (default: train.run_dir)")
 
     export = command("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
     export.add_argument("run_dir")
@@ -125,8 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     sample.add_argument("--tokenizer", help="the run's tokenizer.json if data.tokenizer no "
                         "longer points to it")
-    sample.add_argument("--json", action="store_true", help="also print one JSON line: text, "
-                        "ids, prompt_ids, stop, step")
+    sample.add_argument("--json", action="store_true", help="print one JSON line instead of "
+                        "the text: text, ids, prompt_ids, stop, step")
 
     evaluate = command("eval", help="lm-eval-harness tasks scored on a run's checkpoint "
                        "with our model, on the run's mesh")

@@ -213,7 +213,8 @@ def run(args) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"europa-jax: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    print(result.text)
-    if getattr(args, "json", False):
+    if getattr(args, "json", False):  # stdout is then JSON alone: the text is in it
         print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        print(result.text)
     return exit_codes.OK
