@@ -390,8 +390,13 @@ def run_training(cfg, run_dir: str | None) -> int:
         _error(e)
         return exit_codes.BAD_INPUT
     summary = {"steps": cfg.train.steps}
-    if records:  # empty when the run directory already held the final step
+    if records:
         summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
+    else:  # the run directory already held the final step
+        where = run_dir or cfg.train.run_dir
+        print(f"europa-jax: {where} already holds step {cfg.train.steps}, the last: nothing "
+              "to train (raise train.steps to go on; `europa-jax report` shows the run)",
+              file=sys.stderr)
     print(json.dumps(summary))
     return exit_codes.OK
 

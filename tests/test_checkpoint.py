@@ -176,6 +176,9 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
            "the learning rate at step 4 moves from" in err
     (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
     assert changed["step"] == 4 and changed["keys"] == ["train.steps"]
+    rc, out, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
+    assert rc == exit_codes.OK and json.loads(out) == {"steps": 6}, err[-3000:]
+    assert f"europa-jax: {tmp_path} already holds step 6, the last: nothing to train" in err
 
 
 def test_a_second_ctrl_c_quits_at_once():
