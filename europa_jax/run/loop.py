@@ -147,7 +147,7 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     monitor = StragglerMonitor(cfg.train.straggler_factor, cfg.train.straggler_steps,
                                distributed.nodes(), events if is_primary else None)
     logged = []
-    progress, log_line = run_log.progress(cfg.train.steps, start_step)
+    progress, log_line = run_log.progress(cfg.train.steps)
     try:
         with MetricsLog(run_dir, start_step, is_primary, to_dict(cfg),
                         cfg.train.trackers) as metrics_log, \

@@ -106,17 +106,51 @@ def step_line(record: dict, total: int) -> str:
     return line + (" (first step of this try)" if record.get("compiled") else "")
 
 
-def progress(total: int, initial: int = 0):
+class _AboveBar:
+    """A log handler's stream while a bar is shown: each line is written above the bar
+    (tqdm.write clears and redraws it) instead of glued to its end."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=self.stream, end="")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _open_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+            handler.setStream(_AboveBar(handler.stream))
+    return tqdm(total=total, initial=initial, unit="step")
+
+
+def _close_bar(bar) -> None:
+    if bar is not None:
+        bar.close()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and isinstance(handler.stream, _AboveBar):
+            handler.setStream(handler.stream.stream)
+
+
+def progress(total: int):
     """A tqdm bar on a terminal, updated every step; `logged(record)` logs a line otherwise
     (and on a terminal only with --verbose, so the bar stays readable)."""
     if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=initial, unit="step")
+        bar = None
 
         def update(step, metrics):
+            nonlocal bar
             if step is None:
-                return bar.close()
+                return _close_bar(bar)
+            if bar is None:  # made after the first step: its rate, not the compile, sets the ETA
+                bar = _open_bar(total, step)  # the steps done before this one
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", refresh=False)
             bar.update(1)
 
