@@ -204,6 +204,8 @@ def test_goodput_splits_the_wall_time_and_counts_steps_run_again_as_lost():
     text = "\n".join(goodput.format_goodput(g))
     assert "goodput: 10.4% of 53.0 s wall time trained (2 tries" in text
     assert "downtime between tries" in text and "try 1: at +40.0 s" in text
+    one = goodput.format_goodput(goodput.goodput(records[:9]))[0]
+    assert "(1 try, first start" in one
 
 
 def test_a_gap_inside_a_try_is_unaccounted_and_a_line_cut_by_a_kill_is_skipped(tmp_path):

@@ -128,9 +128,10 @@ def format_goodput(g: dict | None) -> list[str]:
     if g is None:
         return ["goodput: n/a (no timeline.jsonl)"]
     share = "n/a" if g["goodput"] is None else f"{g['goodput']:.1%}"
-    lines = [f"goodput: {share} of {_duration(g['wall_s'])} wall time trained "
-             f"({len(g['tries'])} tries, first start to last phase; {g['steps_kept']} steps "
-             f"kept, {g['steps_lost']} run again)"]
+    tries = f"{len(g['tries'])} {'try' if len(g['tries']) == 1 else 'tries'}"
+    lines = [f"goodput: {share} of {_duration(g['wall_s'])} wall time trained ({tries}, "
+             f"first start to last phase; {g['steps_kept']} steps kept, {g['steps_lost']} "
+             "run again)"]
     width = max(len(label) for _, label in PARTS)
     for key, label in PARTS:
         seconds = g["parts_s"][key]
