@@ -172,8 +172,8 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     assert "compiling the train step for 8 devices" in err  # not a silent minute
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
     assert rc == exit_codes.OK, err[-3000:]
-    assert "resuming step 4 with settings changed since it was saved: train.steps 4 → 6; " \
-           "the learning rate at step 4 moves from" in err
+    assert "resuming step 4 with train.steps changed since it was saved: 4 → 6\n" in err
+    assert "resuming step 4: the learning rate there moves from" in err
     (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
     assert changed["step"] == 4 and changed["keys"] == ["train.steps"]
     rc, out, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")

@@ -133,8 +133,10 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     if restored and is_primary:  # settings changed since the save, said before they act
         saved = restored.meta.get("config", {})
         changed = resume_changes.describe(saved, cfg, restored.step)
-        if changed:
-            events("config_changed", changed, level=logging.WARNING, step=restored.step,
+        for line in changed[:-1]:
+            log.warning(line)
+        if changed:  # the last line with the event
+            events("config_changed", changed[-1], level=logging.WARNING, step=restored.step,
                    keys=[k for k, _, _ in resume_changes.changed_keys(saved, cfg)])
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)

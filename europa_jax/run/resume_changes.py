@@ -1,5 +1,5 @@
 """What a resume changes: the settings that differ from those the checkpoint was saved
-with, said in one line before the first step.
+with, one line each before the first step, and the learning rate's move.
 
 The same command with `train.steps` 50 → 80 resumes from step 50 — and the learning-rate
 schedule, a function of `train.steps`, is re-shaped under it (at step 50 the rate jumps
@@ -43,15 +43,14 @@ def learning_rates(saved: dict, cfg: Config, step: int) -> tuple[float, float] |
     return rate(old), rate(cfg)
 
 
-def describe(saved: dict, cfg: Config, step: int) -> str | None:
-    """The line to print on resuming at `step`, or None when nothing changed."""
-    changes = changed_keys(saved, cfg)
-    if not changes:
-        return None
-    listed = "; ".join(f"{k} {before!r} → {now!r}" for k, before, now in changes)
-    line = f"resuming step {step} with settings changed since it was saved: {listed}"
-    rates = learning_rates(saved, cfg, step)
+def describe(saved: dict, cfg: Config, step: int) -> list[str]:
+    """The lines to print on resuming at `step`: one per changed setting, then the
+    learning rate's move if the schedule moved; none when nothing changed."""
+    lines = [f"resuming step {step} with {k} changed since it was saved: {before!r} → {now!r}"
+             for k, before, now in changed_keys(saved, cfg)]
+    rates = learning_rates(saved, cfg, step) if lines else None
     if rates and abs(rates[0] - rates[1]) > 1e-12 * max(abs(rates[0]), 1e-30):
-        line += (f"; the learning rate at step {step} moves from {rates[0]:.3g} to "
-                 f"{rates[1]:.3g} (the schedule follows optim.* and train.steps)")
-    return line
+        lines.append(f"resuming step {step}: the learning rate there moves from "
+                     f"{rates[0]:.3g} to {rates[1]:.3g} (the schedule follows optim.* and "
+                     "train.steps)")
+    return lines
