@@ -225,6 +225,14 @@ def _plan(args: argparse.Namespace, cfg) -> int:
         print(json.dumps(result, indent=2) if args.json
               else compare.format_compare(result, options["name"]))
         return exit_codes.CRASH if any(r["error"] for r in result["rows"]) else exit_codes.OK
+    if not args.json:  # the compile is a minute's silence for a tiny model, minutes for 1T
+        target = ("this machine's CPUs" if args.target == "cpu" else
+                  f"{args.devices} × {gpu_target.TARGETS[args.target].name} (no GPU needed)")
+        hbm = gpu_target.TARGETS["gh200" if args.target == "cpu" else args.target]
+        print(f"plan: compiling {options['name']}'s step for {target}; budget per GPU "
+              f"{report_text.size(hbm.hbm_budget_bytes)} of HBM, "
+              f"{report_text.size(machine.host_bytes)} of host memory …", file=sys.stderr,
+              flush=True)
     report = plan.plan(cfg, corpus=args.corpus, documents_model=args.documents, **options)
     print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK

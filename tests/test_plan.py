@@ -164,3 +164,19 @@ def test_a_corpus_that_is_not_one_is_a_one_line_error(tmp_path):
                       str(tmp_path), timeout=120)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
     assert f"--corpus {tmp_path}: no manifest.json there" in result.stderr
+
+
+def test_the_text_report_shows_bytes_in_the_unit_that_shows_them():
+    """A 1T model's step in TB, a tiny one's in MB or kB — not 0.00 TB."""
+    from europa_jax.plan import report_text
+
+    assert [report_text.scaled(x) for x in (30.28e12, 4.7e9, 51.5e6, 2_400, 0)] == [
+        "30.28 TB", "4.70 GB", "51.50 MB", "2.40 kB", "0.00 kB"]
+    traffic = {"bytes_per_step": 3.2e6, "data_dependent_bytes_per_step": 0.0,
+               "moe_loop_bytes_per_step": 1.1e6, "by_region": {"moe": 2.0e6, "attention": 1.2e6},
+               "data_dependent_by_region": {}, "largest": [
+                   {"bytes_per_step": 5e5, "bytes_per_run": 2.5e5, "runs": 2,
+                    "kind": "fusion:loop", "source": "…/moe/scatter-add"}]}
+    text = "\n".join(report_text._hbm_traffic(traffic))
+    assert "3.20 MB, + 0.00 kB" in text and "2.00 MB" in text and "0.00 TB" not in text
+    assert "500.00 kB = 250.00 kB × 2" in text

@@ -12,6 +12,15 @@ def size(x: float | None) -> str:
     return f"{x / 1e9:,.2f} GB" if abs(x) >= 1e8 or x == 0 else f"{x / 1e6:,.2f} MB"
 
 
+def scaled(x: float) -> str:
+    """Bytes in the decimal unit that shows them (TB for a 1T model's step, kB for a tiny
+    one's), not 0.00 TB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.2f} {unit}"
+    return f"{x / 1e3:,.2f} kB"
+
+
 def _fits(ok: bool) -> str:
     return "fits" if ok else "DOES NOT FIT"
 
@@ -281,7 +290,7 @@ def _gpu_memory(r: dict[str, Any]) -> list[str]:
 
 def _hbm_traffic(t: dict[str, Any]) -> list[str]:
     """The GPU program's non-matmul kernels: HBM bytes per step by part of the model."""
-    tb = lambda x: f"{x / 1e12:,.2f} TB"
+    tb = scaled
     lines = [f"non-matmul kernels, HBM bytes per GPU per step (optimized GPU program): "
              f"{tb(t['bytes_per_step'])}, + {tb(t['data_dependent_bytes_per_step'])} in "
              f"data-dependent loops and branches at their expected trips; the MoE layer's "
@@ -292,7 +301,7 @@ def _hbm_traffic(t: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<28} {tb(value):>12}{extra}")
     lines.append("  largest kernels:")
     for k in t["largest"][:5]:
-        lines.append(f"    {tb(k['bytes_per_step']):>10} = {k['bytes_per_run'] / 1e9:,.2f} GB × "
+        lines.append(f"    {tb(k['bytes_per_step']):>10} = {tb(k['bytes_per_run'])} × "
                      f"{k['runs']:,.0f}  {k['kind']:<13} …{k['source'][-60:]}")
     return lines
 
