@@ -38,11 +38,12 @@ from __future__ import annotations
 import dataclasses
 
 from europa_jax.config import Config
-from europa_jax.plan import hardware, step_time
+from europa_jax.plan import exchange, hardware, step_time
 
 POLICIES = ("fsdp", "per_microbatch", "resident", "expert_parallel")
 CASE = "expected"
-DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4, "float32": 4, "bfloat16": 2}
+# comm.weight_gather_dtype / comm.grad_reduce_dtype: bytes per value on the wire
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def price(cfg: Config, baseline: dict, layout: Layout,
         hbm += (gather + reduce) * stage_params - 2 * gather * w.routed_per_layer
     else:  # expert_parallel
         infiniband["weights"] = m * (2 * gather + reduce) * w.other / p * remote
-        x = DTYPE_BYTES[comm.expert_exchange_dtype]
+        x = exchange.wire_bytes(comm.expert_exchange_dtype)  # mean of the four exchanges
         copies = cfg.data.seq_len * cfg.model.top_k
         infiniband["tokens"] = (m * w.moe_layers / p * copies * cfg.model.d_model
                                 * 6 * x * remote)  # dispatch + combine, three passes

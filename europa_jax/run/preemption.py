@@ -43,7 +43,7 @@ class StopRequests:
 
     def __init__(self):
         self.signal_name: str | None = None
-        self._interrupts = 0
+        self._interrupted = False  # a first Ctrl-C seen
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequests":
@@ -58,10 +58,10 @@ class StopRequests:
     def _handle(self, signum, _frame) -> None:
         # Only a flag: the step in flight must finish, and the save must be collective.
         name = signal.Signals(signum).name
-        if name == "SIGINT" and self._interrupts:
+        if name == "SIGINT" and self._interrupted:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt  # a second Ctrl-C: quit now, nothing more saved
-        self._interrupts += name == "SIGINT"
+        self._interrupted = self._interrupted or name == "SIGINT"
         self.signal_name = self.signal_name or name  # the first request names the stop
         again = " (Ctrl-C again to quit without saving)" if name == "SIGINT" else ""
         logs.signal_safe_line("WARNING", __name__, f"{name} received: finishing the current "
