@@ -1,0 +1,98 @@
+"""k rows per device in one step (`data.global_batch_size` = k × devices): every weight is
+gathered once per layer for all k rows, so gathered bytes per token fall k-fold, and the
+step computes what k = 1 on k times the devices computes at the same global batch.
+
+(The tiny default runs 2 rows per device; its resume is bitwise in tests/test_checkpoint.py.
+`train.microbatches` is the other trade: pieces of a device's rows, a gather per piece,
+tests/test_microbatches.py.)"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from europa_jax.parallel import offload, sharding
+from europa_jax.plan import hlo_report
+from europa_jax.run import loop
+from europa_jax.train import train
+from test_comm import lowered_step_hlo, with_comm
+
+ROWS = 8
+
+
+def with_layout(cfg, data: int, rows: int):
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, data=data),
+        data=dataclasses.replace(cfg.data, global_batch_size=rows))
+
+
+def trainer_on(cfg, n_devices: int):
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:n_devices])
+    return train.build_trainer(cfg, mesh)
+
+
+@pytest.fixture(scope="module")
+def one_and_two_rows(tiny_cfg):
+    """The same 8 rows and initial weights on 8 devices (1 row each) and on 4 (2 each)."""
+    one = trainer_on(with_layout(tiny_cfg, 2, ROWS), 8)
+    two = trainer_on(with_layout(tiny_cfg, 1, ROWS), 4)
+    host_batch = next(iter(loop.host_batch_iterator(one.cfg)))
+    out = {}
+    for trainer in (one, two):
+        state = train.init_state(trainer, seed=0)
+        batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in host_batch.items()}
+        out[trainer.mesh.devices.size] = (trainer, state, batch)
+    return out
+
+
+def gradients_of(trainer, state, batch):
+    def grads(state, batch):
+        params = offload.to_device(state.params, trainer.state_shardings.params)
+        return train.gradients(trainer, params, state.router_bias_LE, batch)
+
+    with jax.set_mesh(trainer.mesh):
+        return jax.device_get(jax.jit(grads)(state, batch))
+
+
+def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(
+        one_and_two_rows):
+    (loss_1, stats_1), grads_1 = gradients_of(*one_and_two_rows[8])
+    (loss_2, stats_2), grads_2 = gradients_of(*one_and_two_rows[4])
+    np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0],
+                            jax.tree.leaves(grads_2), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
+    # the routing is the same decision per token, whichever device holds the row
+    np.testing.assert_array_equal(stats_2["expert_counts_E"], stats_1["expert_counts_E"])
+    np.testing.assert_array_equal(stats_2["routed_copies"], stats_1["routed_copies"])
+
+
+def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg):
+    """On the same 2 × 4 mesh, 2 rows per device move exactly the weight gathers and
+    gradient reduce-scatters of 1 row (count, dtype, axis and bytes), while the MoE
+    exchange inside a node carries twice the rows."""
+    cfg = with_comm(tiny_cfg, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
+                    expert_exchange_dtype="bf16")
+    mesh = sharding.make_mesh(cfg.mesh)
+
+    def by_op(rows):
+        found = hlo_report.collectives(lowered_step_hlo(with_layout(cfg, 2, rows), mesh), mesh)
+        table = {}
+        for c in found:
+            key = (c.op, c.axes, c.dtype)
+            count, nbytes = table.get(key, (0, 0))
+            table[key] = (count + c.count, nbytes + c.bytes_per_device)
+        return table
+
+    one, two = by_op(8), by_op(16)
+    weights = [k for k in one if k[0] in ("all-gather", "reduce-scatter") and k[1] == ("data",)]
+    assert ("all-gather", ("data",), "f8e4m3fn") in weights
+    assert ("reduce-scatter", ("data",), "bf16") in weights
+    for key in weights:
+        assert two[key] == one[key], key
+    exchange = ("all-to-all", ("expert",), "bf16")
+    assert two[exchange][0] == one[exchange][0]
+    assert two[exchange][1] == pytest.approx(2 * one[exchange][1], rel=0.05)
+
