@@ -1,5 +1,6 @@
 """`europa-jax sample`: greedy decoding with our model equals transformers' greedy `generate`
-on the exported model; temperature sampling is seeded; bad input is one line, exit 2."""
+on the exported model, and the latent-cached decode what the whole-row forward generates;
+temperature sampling is seeded; bad input is one line, exit 2."""
 
 import argparse
 import json
@@ -59,6 +60,15 @@ def test_greedy_equals_transformers_generate_on_the_fp32_export(byte_run, sample
     # the one-call form loads the same checkpoint and decodes the same way
     assert sample(byte_run, PROMPT, max_new_tokens=NEW).ids == sampler.generate(
         PROMPT, max_new_tokens=NEW).ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_cached_decode_generates_what_the_whole_row_forward_generates(sampler, temperature):
+    for text in (PROMPT, "x"):
+        cached = sampler.generate(text, max_new_tokens=NEW, temperature=temperature, seed=4)
+        reference = sampler.generate(text, max_new_tokens=NEW, temperature=temperature,
+                                     seed=4, cached=False)
+        assert cached == reference
 
 
 def test_temperature_sampling_is_seeded_and_valid(sampler):

@@ -6,20 +6,21 @@ fingerprints) onto one device, the prompt is encoded with the run's tokenizer
 (temperature 0, the default) or by sampling from softmax(logits / temperature) with a
 seeded key, until EOS or `max_new_tokens`.
 
-There is no KV cache: every new token recomputes the whole forward pass over one row of
-a fixed length (prompt + max_new_tokens rounded up to the attention block), real tokens
-in segment 1 and padding in segment 0 after them, which causal attention never lets a
-real token see. That is O(length²) work per sequence — fine at the tiny sizes this is
-for (checking what a run learned), not a serving path. The forward is the training
-model's (model/transformer.py) outside the SPMD step, with the exact pure-JAX kernels
-(blockwise attention, blocked expert matmul), dropless MoE and no remat, so it runs on
-any one device. Ids past the tokenizer's vocabulary (model.vocab_size may be larger) are
-never produced.
+Tokens come from multi-head latent attention's cache (model/decode.py): the prompt runs
+once, then each new token is one position's forward against every layer's cached latents
+and RoPE'd keys — O(length) work per token. The cache holds prompt + max_new_tokens
+positions. `generate(cached=False)` is the reference it is tested against: the training
+model's forward (model/transformer.py) over the whole row for every token, real tokens in
+segment 1 and padding in segment 0 after them, which causal attention never lets a real
+token see. Both run outside the SPMD step with the exact pure-JAX kernels (blockwise
+attention, blocked expert matmul), dropless MoE and no remat, on any one device. Ids past
+the tokenizer's vocabulary (model.vocab_size may be larger) are never produced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -98,6 +99,7 @@ class Sampler:
         import jax
         import jax.numpy as jnp
 
+        from europa_jax.model.decode import CachedTransformer
         from europa_jax.model.transformer import Transformer
 
         self.cfg, params, bias, self.step = read_parameters(run_dir, step)
@@ -112,7 +114,15 @@ class Sampler:
         # what can be emitted: the tokenizer's ids that the model has
         self.vocab = min(run_tok.vocab_size, self.model_cfg.vocab_size)
         model = Transformer(self.model_cfg)
+        cached_model = CachedTransformer(self.model_cfg)
         vocab = self.vocab
+
+        def choose(logits_V, key, temperature):
+            """Greedy at temperature 0, else a draw from softmax(logits / temperature)."""
+            logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab, logits_V, -jnp.inf)
+            greedy = jnp.argmax(logits_V).astype(jnp.int32)
+            drawn = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-30))
+            return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
 
         def next_token(params, bias, tokens_S, n, key, temperature):
             """The token after the first `n` of `tokens_S` (the rest is padding)."""
@@ -123,21 +133,26 @@ class Sampler:
             positions_S = jnp.where(real_S, index_S, 0)
             logits_1SV, _ = model.apply({"params": params}, tokens_S[None], segments_S[None],
                                         positions_S[None], bias)
-            logits_V = logits_1SV[0, n - 1]
-            logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab, logits_V, -jnp.inf)
-            greedy = jnp.argmax(logits_V).astype(jnp.int32)
-            drawn = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-30))
-            return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+            return choose(logits_1SV[0, n - 1], key, temperature)
+
+        def cached_next_token(params, bias, tokens_T, cache, key, temperature):
+            """The token after `tokens_T` (the prompt, then each new token) and the cache
+            that now holds them too."""
+            logits_1V, cache = cached_model.apply({"params": params}, tokens_T[None], cache,
+                                                  bias)
+            return choose(logits_1V[0], key, temperature), cache
 
         self._next_token = jax.jit(next_token)
+        self._cached_next_token = jax.jit(cached_next_token, donate_argnums=3)
 
     def encode(self, prompt: str | bytes) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 
     def generate(self, prompt: str | bytes | list[int], *,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
-                 seed: int = 0) -> Sample:
-        """Continue `prompt` (a text, or ids) until EOS or `max_new_tokens` new tokens."""
+                 seed: int = 0, cached: bool = True) -> Sample:
+        """Continue `prompt` (a text, or ids) until EOS or `max_new_tokens` new tokens;
+        `cached=False` recomputes the whole row per token (the reference)."""
         import jax
         import jax.numpy as jnp
 
@@ -156,26 +171,50 @@ class Sampler:
             raise SampleError(f"--max-new-tokens: the prompt's {len(prompt_ids)} tokens + "
                               f"{max_new_tokens} new = {total} > model.max_position_embeddings "
                               f"{context}")
-        block = self.model_cfg.attention_block_size
-        length = -(-total // block) * block
-        tokens = np.zeros(length, np.int32)
-        tokens[:len(prompt_ids)] = prompt_ids
-        key = jax.random.key(seed)
+        new_tokens = (self._cached_tokens if cached else self._uncached_tokens)(
+            prompt_ids, total, jax.random.key(seed), jnp.float32(temperature))
         eos = self.run_tokenizer.eos_id
-        n, generated, stop = len(prompt_ids), [], "max_new_tokens"
-        for i in range(max_new_tokens):
-            token = int(self._next_token(self.params, self.bias, jnp.asarray(tokens),
-                                         jnp.int32(n), jax.random.fold_in(key, i),
-                                         jnp.float32(temperature)))
+        generated, stop = [], "max_new_tokens"
+        for token in itertools.islice(new_tokens, max_new_tokens):
             generated.append(token)
-            tokens[n] = token
-            n += 1
             if token == eos:
                 stop = "eos"
                 break
         text = self.tokenizer.decode([t for t in generated if t != eos])
         return Sample(text=text, ids=generated, prompt_ids=prompt_ids, stop=stop,
                       step=self.step)
+
+    def _cached_tokens(self, prompt_ids: list[int], total: int, key, temperature):
+        """The new tokens, one per step of the cached decoder: the prompt's step, then one
+        position each (the cache holds `total` positions)."""
+        import jax
+        import jax.numpy as jnp
+
+        from europa_jax.model.decode import LatentCache
+        from europa_jax.model.layers import DTYPES
+
+        cache = LatentCache.empty(self.model_cfg, 1, total, DTYPES[self.model_cfg.compute_dtype])
+        feed_T = jnp.asarray(prompt_ids, jnp.int32)
+        for i in itertools.count():
+            token, cache = self._cached_next_token(self.params, self.bias, feed_T, cache,
+                                                   jax.random.fold_in(key, i), temperature)
+            yield int(token)
+            feed_T = token[None]
+
+    def _uncached_tokens(self, prompt_ids: list[int], total: int, key, temperature):
+        """The reference: the whole row (rounded up to the attention block) per token."""
+        import jax
+        import jax.numpy as jnp
+
+        block = self.model_cfg.attention_block_size
+        tokens_S = np.zeros(-(-total // block) * block, np.int32)
+        tokens_S[:len(prompt_ids)] = prompt_ids
+        for n in itertools.count(len(prompt_ids)):
+            token = int(self._next_token(self.params, self.bias, jnp.asarray(tokens_S),
+                                         jnp.int32(n), jax.random.fold_in(key, n - len(prompt_ids)),
+                                         temperature))
+            yield token
+            tokens_S[n] = token
 
 
 def check_settings(max_new_tokens: int, temperature: float) -> None:

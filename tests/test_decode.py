@@ -1,0 +1,75 @@
+"""The cached decoder (model/decode.py): the prompt in one step, then one position per
+step against multi-head latent attention's cache, gives the uncached forward's logits at
+every position — dense and MoE layers, scanned or unrolled, float32 and bfloat16 — and
+caches A + P numbers per token and layer. (Sampling with it: tests/test_sample.py.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from europa_jax.interop.sample import sampling_model_config
+from europa_jax.model.decode import CachedTransformer, LatentCache
+from europa_jax.model.transformer import Transformer, init_router_bias
+
+S = 96          # the row
+PROMPT = 40     # positions the first step takes at once
+
+
+def setup(tiny_cfg, **model_changes):
+    cfg = dataclasses.replace(sampling_model_config(tiny_cfg), **model_changes)
+    tokens_1S = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.vocab_size)
+    # a router bias that moves choices, so routing differences would show
+    bias_LE = 0.3 * jax.random.normal(jax.random.key(2), init_router_bias(cfg).shape)
+    model = Transformer(cfg)
+    segments_1S, positions_1S = jnp.ones((1, S), jnp.int32), jnp.arange(S)[None]
+    params = model.init(jax.random.key(0), tokens_1S, segments_1S, positions_1S,
+                        bias_LE)["params"]
+    full_1SV, _ = jax.jit(lambda p: model.apply({"params": p}, tokens_1S, segments_1S,
+                                                positions_1S, bias_LE))(params)
+    return cfg, params, bias_LE, tokens_1S, full_1SV
+
+
+def cached_logits(cfg, params, bias_LE, tokens_1S, dtype):
+    """The last position's logits after the prompt's step, then after each one-token step."""
+    step = jax.jit(lambda p, t, c: CachedTransformer(cfg).apply({"params": p}, t, c, bias_LE))
+    cache = LatentCache.empty(cfg, 1, S, dtype)
+    logits_1V, cache = step(params, tokens_1S[:, :PROMPT], cache)
+    out = [logits_1V]
+    for i in range(PROMPT, S):
+        logits_1V, cache = step(params, tokens_1S[:, i:i + 1], cache)
+        out.append(logits_1V)
+    return jnp.stack(out, axis=1), cache
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_every_step_gives_the_uncached_forward_s_logits(tiny_cfg, scan_layers):
+    cfg, params, bias_LE, tokens_1S, full_1SV = setup(tiny_cfg, scan_layers=scan_layers)
+    assert cfg.n_dense_layers and cfg.n_moe_layers
+    got_1TV, cache = cached_logits(cfg, params, bias_LE, tokens_1S, jnp.float32)
+    want_1TV = full_1SV[:, PROMPT - 1:]
+    real = np.arange(full_1SV.shape[-1]) < cfg.vocab_size
+    np.testing.assert_allclose(np.asarray(got_1TV)[..., real], np.asarray(want_1TV)[..., real],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(jnp.argmax(got_1TV, -1), jnp.argmax(want_1TV, -1))
+    # what MLA caches: the latent and the shared RoPE key, per layer and position
+    n_layers = cfg.n_dense_layers + cfg.n_moe_layers
+    assert cache.latent_LBSA.shape == (n_layers, 1, S, cfg.kv_lora_rank)
+    assert cache.k_rope_LBSP.shape == (n_layers, 1, S, cfg.qk_rope_head_dim)
+    assert int(cache.length) == S
+
+
+def test_in_bfloat16_the_steps_stay_within_bfloat16_s_rounding(tiny_cfg):
+    cfg, params, bias_LE, tokens_1S, full_1SV = setup(tiny_cfg, compute_dtype="bfloat16")
+    got_1TV, _ = cached_logits(cfg, params, bias_LE, tokens_1S, jnp.bfloat16)
+    want_1TV = full_1SV[:, PROMPT - 1:, :cfg.vocab_size]
+    err = np.abs(np.asarray(got_1TV[..., :cfg.vocab_size]) - np.asarray(want_1TV)).max()
+    assert err < 0.05 * float(np.abs(want_1TV).max())
+    # the same choice wherever the uncached forward's top two are not within the error
+    top2 = np.sort(np.asarray(want_1TV), -1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 2 * err
+    assert clear.mean() > 0.5
+    np.testing.assert_array_equal(np.argmax(got_1TV, -1)[clear], np.argmax(want_1TV, -1)[clear])
+
