@@ -89,6 +89,35 @@ def test_writes_real_nontrivial_pngs(tmp_path):
     assert (out / "summary.txt").read_text() == format_summary(summary)
 
 
+def _labels(fig, panel: int) -> list[str]:
+    return [line.get_label() for line in fig.axes[panel].lines]
+
+
+def test_plots_number_layers_as_the_model_does_and_give_mfu_in_percent(tmp_path):
+    """MoE layers' lists start after the dense layers and end with the MTP modules'
+    blocks; attention's covers every layer: one numbering in both plots."""
+    run = load_run(make_run(tmp_path))
+    run.config["model"] = {"n_layers": 2, "n_dense_layers": 1}
+    run.config["optim"] = {"qk_clip_threshold": 100.0}
+    experts = PLOTS["experts.png"](run)
+    assert _labels(experts, 0) == _labels(experts, 1) == ["layer 1", "MTP 1"]
+    logits = PLOTS["attention_logits.png"](run)
+    assert _labels(logits, 0) == ["layer 0", "layer 1"]
+    throughput = PLOTS["throughput.png"](run)
+    assert throughput.axes[1].get_ylabel() == "MFU (%)"
+    timed = [r for r in run.train if not r.get("compiled")]
+    assert list(throughput.axes[1].lines[0].get_ydata()) == pytest.approx(
+        [100 * r["mfu"] for r in timed])
+    assert len(logits.axes) == 2  # QK-clip on: the heads clipped panel
+
+
+def test_without_qk_clip_the_heads_clipped_panel_is_left_out(tmp_path):
+    run = load_run(make_run(tmp_path))
+    run.config["optim"] = {"qk_clip_threshold": None}
+    logits = PLOTS["attention_logits.png"](run)
+    assert len(logits.axes) == 1 and "QK-clip off" in logits.axes[0].get_title()
+
+
 def test_deduplicates_keeping_the_last_record_per_step(tmp_path):
     run = load_run(make_run(tmp_path))
     assert [r["step"] for r in run.train] == list(range(1, 31))

@@ -134,13 +134,41 @@ def _line(records: list[dict], key: str, label: str = "",
     return label or key, [s for s, _ in points], [v for _, v in points]
 
 
-def _layer_lines(records: list[dict], key: str) -> list[Line]:
+def _layer_lines(records: list[dict], key: str, names: Callable[[int], str] | None = None
+                 ) -> list[Line]:
+    """One line per entry of the per-layer list `key`, labelled `names(i)`."""
     lists = [r[key] for r in records if isinstance(r.get(key), list)]
     layers = max(map(len, lists), default=0)
-    return [_line(records, key, f"layer {i}",
+    return [_line(records, key, (names or _layer_name(None, 0))(i),
                   lambda r, i=i: r[key][i] if isinstance(r.get(key), list) and len(r[key]) > i
                   else None)
             for i in range(layers)]
+
+
+def _config_section(run: Run, name: str) -> dict:
+    section = (run.config or {}).get(name)
+    return section if isinstance(section, dict) else {}
+
+
+def _layer_name(model: dict | None, first: int) -> Callable[[int], str]:
+    """Entry i of a per-layer list that starts at model layer `first` (the MoE layers'
+    lists start after the dense ones) and ends with the MTP modules' blocks: the same
+    numbers in every plot, the model's own (`layer 0` is the first decoder layer)."""
+    n_layers = (model or {}).get("n_layers")
+
+    def name(i: int) -> str:
+        layer = first + i
+        if isinstance(n_layers, int) and layer >= n_layers:
+            return f"MTP {layer - n_layers + 1}"
+        return f"layer {layer}"
+
+    return name
+
+
+def _moe_layer_name(run: Run) -> Callable[[int], str]:
+    model = _config_section(run, "model")
+    dense = model.get("n_dense_layers")
+    return _layer_name(model, dense if isinstance(dense, int) else 0)
 
 
 def _timed(run: Run) -> list[dict]:
@@ -193,22 +221,30 @@ def _plot_loss(run: Run) -> Figure | None:
 
 
 def _plot_experts(run: Run) -> Figure | None:
-    load = (_layer_lines(run.train, "expert_load_max_over_mean_per_layer")
+    moe = _moe_layer_name(run)
+    load = (_layer_lines(run.train, "expert_load_max_over_mean_per_layer", moe)
             or [_line(run.train, "expert_load_max_over_mean", "all layers")])
     return _figure("MoE expert load and router bias", [
         ("expert load max/mean", load, False),
-        ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer"), False),
+        ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer", moe),
+         False),
         # model.seq_aux_loss_weight > 0 only: the panel is left out otherwise
         ("sequence-wise balance loss", [_line(run.train, "seq_aux_loss")], False)])
 
 
 def _plot_attention_logits(run: Run) -> Figure | None:
     """The step's largest attention logit per layer (QK-clip's S_max) and heads clipped."""
-    per_layer = (_layer_lines(run.train, "attention_logit_max_per_layer")
+    per_layer = (_layer_lines(run.train, "attention_logit_max_per_layer",
+                              _layer_name(_config_section(run, "model"), 0))
                  or [_line(run.train, "attention_logit_max", "all layers")])
-    return _figure("Attention max logit (before the step's QK-clip)", [
+    # without a threshold nothing is clipped: an all-zero panel would only say that
+    clipping = (not run.config
+                or _config_section(run, "optim").get("qk_clip_threshold") is not None)
+    return _figure("Attention max logit (before the step's QK-clip)" if clipping
+                   else "Attention max logit (QK-clip off)", [
         ("max logit", per_layer, False),
-        ("heads clipped", [_line(run.train, "qk_clip_heads_clipped")], False)])
+        ("heads clipped", [_line(run.train, "qk_clip_heads_clipped")] if clipping else [],
+         False)])
 
 
 def _task_scores(record: dict) -> dict[str, float]:
@@ -238,7 +274,10 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
         "Gradient norm", [("grad norm", [_line(run.train, "grad_norm")], True)]),
     "throughput.png": lambda run: _figure("Throughput (compiled steps excluded)", [
         ("tokens/s/device", [_line(_timed(run), "tokens_per_s_per_device")], False),
-        ("MFU", [_line(_timed(run), "mfu")], False)]),
+        # in percent, as the summary gives it
+        ("MFU (%)", [_line(_timed(run), "mfu", "MFU",
+                           lambda r: 100 * r["mfu"] if _num(r.get("mfu")) is not None
+                           else None)], False)]),
     "experts.png": _plot_experts,
     "attention_logits.png": _plot_attention_logits,
     "attention_balance.png": lambda run: _figure("Attention cost balance", [
