@@ -39,3 +39,11 @@ letters in lower case where they can.
     Z  document pieces placed in packed rows
     1  a kept singleton dimension (`k_rope_BS1P`)
 """
+
+import time as _time
+
+# When this process began running europa-jax: every import after this one (jax, flax,
+# orbax) is the try's start-up (run/timeline.py). Not the kernel's start time: a shell
+# runs the last command of `pip install -e . && europa-jax train …` in its own process
+# (exec without fork), whose start is the shell's, before the install.
+STARTED_AT = _time.time()

@@ -2,7 +2,7 @@
 
 Each try of a run (the first start and every restart after a preemption, a crash or a
 broken hang) writes a chain of intervals with no gap between them, from the moment its
-process started (before Python imported anything) to the last thing it finished:
+process began running europa-jax (before jax is imported) to the last thing it finished:
 
     {"try": 1, "phase": "compile", "start": 1796416271.6, "end": 1796416302.9}
     {"try": 1, "phase": "step", "step": 41, "start": ..., "end": ...}
@@ -22,31 +22,22 @@ checkpoint as lost work.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
+
+import europa_jax
 
 FILE = "timeline.jsonl"
 PHASES = ("startup", "restore", "compile", "step", "validation", "checkpoint")
 
 
 def process_start_time() -> float:
-    """When this process started (Unix time), from the kernel: the Python start-up and
-    imports before any of our code ran belong to the try too. The module's import time
-    where /proc cannot say."""
-    try:
-        with open("/proc/self/stat") as f:
-            # field 22 (starttime, clock ticks after boot); the name (field 2) may hold spaces
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
+    """When this process began running europa-jax (Unix time): the package's first import,
+    before jax's and every other library's (`europa_jax.STARTED_AT`, which says why not
+    the kernel's start time). The interpreter's own start before it, tens of
+    milliseconds, is not counted."""
+    return europa_jax.STARTED_AT
 
 
 def next_try(run_dir: Path) -> int:
