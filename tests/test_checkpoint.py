@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -169,7 +170,10 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=4", "optim.warmup_steps=0")
     assert rc == exit_codes.OK, err[-3000:]
     assert f"no checkpoint in {tmp_path / 'checkpoints'}: starting at step 0" in err
-    assert "compiling the train step for 8 devices" in err  # not a silent minute
+    assert "compiling the train step for 8 devices, or read from the compilation cache in " \
+           f"{cli_env['JAX_COMPILATION_CACHE_DIR']} if it holds it" in err  # not a silent minute
+    # and what it was, once JAX has looked the program up (the session's cache may hold it)
+    assert re.search(r"train step (compiled|read from the compilation cache) in \d+\.\d s", err)
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
     assert rc == exit_codes.OK, err[-3000:]
     assert "resuming step 4 with train.steps changed since it was saved: 4 → 6\n" in err

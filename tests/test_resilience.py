@@ -165,6 +165,18 @@ def test_the_watchdog_thread_fires_on_its_own(capfd, caplog):
 
 # ----------------------------------------------------------------------------- compile cache
 
+def test_the_compile_is_announced_then_said_what_it_was():
+    assert compile_cache.announcement(8, Path("/c")) == (
+        "compiling the train step for 8 devices, or read from the compilation cache in /c if "
+        "it holds it: the first step waits for it")
+    assert "(the compilation cache is off)" in compile_cache.announcement(8, None)
+    hit = compile_cache.Compiled(executable=None, cache_hit=True, waited_s=0.0)
+    assert compile_cache.outcome(hit, 2.04) == "train step read from the compilation cache in 2.0 s"
+    miss = compile_cache.Compiled(executable=None, cache_hit=False, waited_s=4.0)
+    assert compile_cache.outcome(miss, 35.0) == (
+        "train step compiled in 31.0 s, then 4.0 s waiting for the other processes")
+
+
 def test_the_compile_cache_directory_setting_then_the_environment_then_the_run_dir(tmp_path):
     env = {compile_cache.ENV_CACHE_DIR: "/shared/cache"}
     assert compile_cache.cache_dir("", tmp_path, {}) == tmp_path / "compile_cache"

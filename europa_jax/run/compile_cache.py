@@ -86,3 +86,19 @@ def compile_step(step_fn, state, batch, *, barrier_timeout_s: int) -> Compiled:
     compiled = time.perf_counter()
     distributed.barrier("europa_step_compiled", barrier_timeout_s)
     return Compiled(executable, _Hits.count > hits, time.perf_counter() - compiled)
+
+
+def announcement(devices: int, path: Path | None) -> str:
+    """The line before the compile. Whether it will be a hit is known only once JAX has
+    looked the program up, inside the compile: the line after it says (`outcome`)."""
+    where = (f", or read from the compilation cache in {path} if it holds it" if path
+             else " (the compilation cache is off)")
+    return f"compiling the train step for {devices} devices{where}: the first step waits for it"
+
+
+def outcome(compiled: Compiled, seconds: float) -> str:
+    """The line after the compile phase of `seconds` (the barrier's wait included)."""
+    how = "read from the compilation cache" if compiled.cache_hit else "compiled"
+    waited = (f", then {compiled.waited_s:.1f} s waiting for the other processes"
+              if compiled.waited_s >= 0.1 else "")
+    return f"train step {how} in {seconds - compiled.waited_s:.1f} s{waited}"

@@ -169,12 +169,15 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 if executable is None:  # compiled here, with the batch's shapes, then met
                     clock.phase("compile")
                     if is_primary:  # the longest silence of a start otherwise
-                        log.info(f"compiling the train step for {jax.device_count()} "
-                                 "devices: the first step waits for it")
+                        log.info(compile_cache.announcement(
+                            jax.device_count(),
+                            compile_cache.cache_dir(cfg.train.compile_cache_dir, run_dir)))
                     compiled = compile_cache.compile_step(
                         step_fn, state, batch, barrier_timeout_s=distributed.init_timeout_s())
                     executable = compiled.executable
                     start.compile(compiled, clock.phase("step", done))
+                    if is_primary:
+                        log.info(compile_cache.outcome(compiled, start.compile_s))
                     began = time.perf_counter()
                 profiler.before(done)
                 watchdog.note("on the devices")
