@@ -91,10 +91,14 @@ def ensure_configured() -> None:
 
 def signal_safe_line(level: str, name: str, message: str) -> None:
     """The handler's format written with one os.write: a signal handler may interrupt the
-    main thread inside logging, whose locks it must not take."""
+    main thread inside logging, whose locks it must not take. At a terminal the line
+    first clears the one the cursor is on — the progress bar, and the `^C` the terminal
+    echoed after it — instead of being glued to it; the bar is drawn again below at its
+    next update."""
     import os
 
-    os.write(2, (_prefix(level, name) + message + "\n").encode())
+    clear = "\r\x1b[K" if os.isatty(2) else ""
+    os.write(2, (clear + _prefix(level, name) + message + "\n").encode())
 
 
 def _prefix(level: str, name: str) -> str:
