@@ -180,3 +180,12 @@ def test_the_text_report_shows_bytes_in_the_unit_that_shows_them():
     text = "\n".join(report_text._hbm_traffic(traffic))
     assert "3.20 MB, + 0.00 kB" in text and "2.00 MB" in text and "0.00 TB" not in text
     assert "500.00 kB = 250.00 kB × 2" in text
+    # seconds likewise, and nothing as 0.00 GB
+    assert [report_text._s(x) for x in (62.3, 0.0177, 3.2e-5, 0)] == [
+        "62.30 s", "17.70 ms", "32.00 µs", "0.00 s"]
+    assert report_text.size(0) == "0 B"
+    row = {"op": "all-gather", "axes": "data", "dtype": "f32", "count": 4,
+           "bytes_per_device": 1.3e6, "infiniband_bytes": 0.0, "link": "infiniband",
+           "seconds": 5e-5}
+    (line,) = report_text._collectives([row], "collectives")[2:]
+    assert "1.30 MB" in line and "50.00 µs" in line and " 0.00 " not in line

@@ -9,7 +9,9 @@ def size(x: float | None) -> str:
     """Bytes in decimal units (the budgets are 88.32 GB and 96 GB, i.e. 10^9 bytes)."""
     if x is None:
         return "n/a"
-    return f"{x / 1e9:,.2f} GB" if abs(x) >= 1e8 or x == 0 else f"{x / 1e6:,.2f} MB"
+    if x == 0:
+        return "0 B"
+    return f"{x / 1e9:,.2f} GB" if abs(x) >= 1e8 else f"{x / 1e6:,.2f} MB"
 
 
 def scaled(x: float) -> str:
@@ -118,13 +120,14 @@ def _qk_clip(q: dict[str, Any]) -> list[str]:
 
 
 def _collectives(rows: list[dict], title: str) -> list[str]:
-    lines = [title, f"  {'op':<18} {'axes':<12} {'dtype':<9} {'count':>7} {'GB':>12} "
-             f"{'of it IB':>10} {'link':<17} {'seconds':>8}"]
+    lines = [title, f"  {'op':<18} {'axes':<12} {'dtype':<9} {'count':>7} {'bytes':>12} "
+             f"{'of it IB':>12} {'link':<17} {'time':>10}"]
     for row in rows:
+        ib = row.get("infiniband_bytes", 0)
         lines.append(f"  {row['op']:<18} {row['axes']:<12} {row['dtype']:<9} {row['count']:>7} "
-                     f"{row.get('bytes_per_device', 0) / 1e9:>12,.3f} "
-                     f"{row.get('infiniband_bytes', 0) / 1e9:>10,.3f} {row['link']:<17} "
-                     f"{row['seconds']:>8.3f}")
+                     f"{scaled(row.get('bytes_per_device', 0)):>12} "
+                     f"{scaled(ib) if ib else '0':>12} {row['link']:<17} "
+                     f"{_s(row['seconds']):>10}")
     return lines
 
 
@@ -144,18 +147,21 @@ def _exchange(x: dict[str, Any]) -> list[str]:
              f"), expected fill {x['expected_fill']:.0%}"
              + (f"; first stage {x['node_stage_fill']:.0%} of its T rows per node"
                 if x.get("node_stage_fill") is not None else ""),
-             f"  routed rows: {x['routed_bytes_per_step'] / 1e9:,.1f} GB per GPU per step, "
-             f"{x['routed_infiniband_bytes_per_step'] / 1e9:,.1f} GB of it to other nodes "
+             f"  routed rows: {scaled(x['routed_bytes_per_step'])} per GPU per step, "
+             f"{scaled(x['routed_infiniband_bytes_per_step'])} of it to other nodes "
              f"({_s(x['routed_infiniband_s'])} of InfiniBand)"]
     if "buffer_bytes" in x:
-        lines.append(f"  bound, every buffer full: {x['buffer_bytes'] / 1e9:,.1f} GB, "
-                     f"{x['buffer_infiniband_bytes'] / 1e9:,.1f} GB to other nodes "
+        lines.append(f"  bound, every buffer full: {scaled(x['buffer_bytes'])}, "
+                     f"{scaled(x['buffer_infiniband_bytes'])} to other nodes "
                      f"({_s(x['buffer_infiniband_s'])}); the estimate charges the expected fill")
     return lines
 
 
 def _s(x: float) -> str:
-    return f"{x:,.2f} s" if x >= 0.1 else f"{x * 1e3:,.2f} ms"
+    """Seconds in the unit that shows them (a tiny model's step is microseconds)."""
+    if x >= 0.1 or x == 0:
+        return f"{x:,.2f} s"
+    return f"{x * 1e3:,.2f} ms" if x >= 1e-4 else f"{x * 1e6:,.2f} µs"
 
 
 def _estimate(e: dict[str, float], label: str) -> list[str]:
