@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set optim.learning_rate=1e-3")
     train.add_argument("--run-dir", help="the run's directory: checkpoints, metrics, logs; "
                        "an existing one resumes (default: train.run_dir)")
+    train.add_argument("--start-over", action="store_true",
+                       help="start at step 0 in a run directory whose checkpoints are all "
+                       "gone or set aside (refused otherwise; the old metrics are kept)")
 
     export = command("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
     export.add_argument("run_dir")
@@ -347,7 +350,7 @@ def _main(argv: list[str] | None) -> int:
         from europa_jax.run import distributed
 
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
-        return run_training(cfg, args.run_dir)
+        return run_training(cfg, args.run_dir, start_over=args.start_over)
     except (ConfigError, DataError, FileNotFoundError) as e:
         _error(e)
         return exit_codes.BAD_INPUT
@@ -371,17 +374,20 @@ def _export(args) -> int:
     return exit_codes.OK
 
 
-def run_training(cfg, run_dir: str | None) -> int:
+def run_training(cfg, run_dir: str | None, *, start_over: bool = False) -> int:
     """Train and map the outcome to an `exit_codes` value (also used by multi-process launchers)."""
     from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.history import HistoryWouldBeLost
     from europa_jax.run.loop import NonFiniteStop, train
     from europa_jax.run.preemption import Preempted
+    from europa_jax.run.run_log import RunLogFailed
     from europa_jax.run.save_outcome import SaveFailed
 
     try:
         # the tasks are found and loaded before the run directory is touched
-        records = train(cfg, run_dir, tasks=_task_evaluation(cfg))
-    except SaveFailed as e:  # a full disk, not the user's input: the last good one is kept
+        records = train(cfg, run_dir, tasks=_task_evaluation(cfg), start_over=start_over)
+    except (SaveFailed, RunLogFailed) as e:  # a full disk, not the user's input: the last
+        # good checkpoint is kept
         _error(e)
         return exit_codes.CRASH
     except Preempted as e:
@@ -394,7 +400,8 @@ def run_training(cfg, run_dir: str | None) -> int:
     except NonFiniteStop as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE
-    except (CheckpointError, ConfigError, DataError) as e:  # e.g. the run directory in use
+    except (CheckpointError, ConfigError, DataError, HistoryWouldBeLost) as e:  # e.g. the
+        # run directory in use, or one whose checkpoints are gone
         _error(e)
         return exit_codes.BAD_INPUT
     summary = {"steps": cfg.train.steps}

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -465,6 +466,18 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(small, tmp_path,
     assert len(list((tmp_path / checkpoint.CORRUPT_SUBDIR).iterdir())) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.state.params),
                  jax.device_get(state.params))
+
+
+def test_a_checkpoint_without_its_input_state_is_set_aside_like_any_corrupt_one(small, tmp_path):
+    """Restored without its data/ item, a run would read the data from another position."""
+    tiny_cfg, trainer, state, _ = small
+    save_steps(tiny_cfg, tmp_path, trainer, state, [1, 2])
+    shutil.rmtree(checkpoint.checkpoint_dir(tmp_path) / "2" / "data")
+    log = Events()
+    restored = checkpoint.Checkpointer(tiny_cfg, tmp_path, trainer).restore_latest(log)
+    assert restored.step == 1 and restored.data_state == {"at": 1}
+    assert log[0]["event"] == "checkpoint_skipped" and "input state" in log[0]["error"]
+    assert checkpoint.committed_steps(tmp_path) == [1]
 
 
 def test_no_usable_checkpoint_is_a_clear_error_not_a_fresh_start(small, tmp_path):

@@ -243,6 +243,12 @@ def damage(hf, kind):
         path = rewrite_shard(hf, KV_NORM, lambda t: t.update({KV_NORM: t[KV_NORM].astype(
             np.int32)}))
         return f"{path}: {KV_NORM} is I32, expected a float (F32, BF16, F16, F64)"
+    if kind == "narrower_than_declared":  # a float32 export with a tensor converted to f16
+        path = rewrite_shard(hf, KV_NORM, lambda t: t.update({KV_NORM: t[KV_NORM].astype(
+            np.float16)}))
+        return (f"{path}: {KV_NORM} is F16 but config.json declares torch_dtype float32: "
+                "converted after the export, it may have lost values; convert the files back "
+                "(or correct torch_dtype)")
     assert kind == "unexpected"  # in a shard and in the index
     path = rewrite_shard(hf, KV_NORM, lambda t: t.update({EXTRA: np.ones((4, 4), np.float32)}))
     index = json.loads((hf / hf_import.INDEX).read_text())
@@ -252,7 +258,7 @@ def damage(hf, kind):
 
 
 @pytest.mark.parametrize("kind", ["missing_from_shard", "wrong_shape", "wrong_dtype",
-                                  "unexpected"])
+                                  "narrower_than_declared", "unexpected"])
 def test_import_checks_every_tensor_against_its_file_in_one_line_each(exported_fp32, tmp_path,
                                                                        kind):
     hf = tmp_path / "hf"

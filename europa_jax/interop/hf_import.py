@@ -44,6 +44,13 @@ INDEX = "model.safetensors.index.json"
 # What a tensor may be stored as: any float converts to the parameter's dtype (bf16 and f16
 # to f32 exactly); an integer, boolean or FP8 tensor is not a weight of this layout.
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+# config.json's `torch_dtype` → the safetensors dtypes a tensor of that export may have: its
+# own or a wider float (DeepSeek-V3's releases keep e.g. the router bias in F32). A 16-bit
+# tensor of the other 16-bit format, or any 16-bit one in a float32 export, was converted
+# after the export and may have lost values (F16 overflows past 65,504 and flushes bf16's
+# small values): refused, not silently imported.
+DECLARED_DTYPES = {"bfloat16": ("BF16", "F32", "F64"), "float16": ("F16", "F32", "F64"),
+                   "float32": ("F32", "F64")}
 MAX_PROBLEM_LINES = 20  # a wholly different model would otherwise print thousands
 
 
@@ -119,11 +126,12 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor],
-                  first_unused_layer: int) -> None:
+                  first_unused_layer: int, declared_dtype: str | None = None) -> None:
     """The whole index against the files and the config before anything is read: every
     tensor the config implies listed, in its file, with its shape and a float dtype; every
     tensor of the files listed and implied (but MTP modules past the config's, layers
-    `first_unused_layer` …, which are left out). Raises `WeightsError` naming each problem."""
+    `first_unused_layer` …, which are left out), each in the dtype config.json declares or a
+    wider float (DECLARED_DTYPES). Raises `WeightsError` naming each problem."""
     if any(name.endswith("_scale_inv") for name in weights.weight_map):
         raise ConfigError(f"{weights.dir}: FP8 block-quantized weights (*.weight_scale_inv) are "
                           "not supported; convert them to bf16 first")
@@ -152,6 +160,10 @@ def check_weights(weights: SafetensorsDir, plan: list[hf_layout.HFTensor],
         if t is not None and dtype not in FLOAT_DTYPES:
             problems.append(f"{path}: {name} is {dtype}, expected a float "
                             f"({', '.join(FLOAT_DTYPES)})")
+        elif t is not None and dtype not in DECLARED_DTYPES.get(declared_dtype, FLOAT_DTYPES):
+            problems.append(f"{path}: {name} is {dtype} but config.json declares torch_dtype "
+                            f"{declared_dtype}: converted after the export, it may have lost "
+                            "values; convert the files back (or correct torch_dtype)")
     for filename, header in sorted(weights.headers.items()):
         for name in sorted(n for n in header if weights.weight_map.get(n) != filename):
             problems.append(f"{weights.dir / filename}: {name} is in the file but "
@@ -255,7 +267,8 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
                   {"params": trainer.abstract_params,
                    param_table.ROUTER_BIAS.key: trainer.abstract_state.router_bias_LE})[0]}
     plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()}))
-    check_weights(weights, plan, cfg.model.n_layers + cfg.model.mtp_layers)
+    check_weights(weights, plan, cfg.model.n_layers + cfg.model.mtp_layers,
+                  hf_config.get("torch_dtype"))
     # No `train` may start in the run directory while the import fills it (its commit
     # replaces the directory), nor may the import replace a run that is going.
     with run_lock.hold(run_dir, "import"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -192,6 +193,9 @@ class Checkpointer:
             raise SaveFailed(previous)
         meta = {"step": step, "reason": reason, "config": to_dict(self.cfg),
                 "fingerprint": fingerprint(state), "process_count": jax.process_count(),
+                # a restore checks the input state is there: without it a resume would
+                # silently read the data from another position
+                "data_state_saved": data_state is not None,
                 "mesh": {"data": self.cfg.mesh.data, "expert": self.cfg.mesh.expert},
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "versions": {"jax": jax.__version__, "orbax": ocp.__version__}, **(extra or {})}
@@ -277,10 +281,13 @@ class Checkpointer:
                 return restored
             error = error or "failed on another process"
             failures.append(f"step {step}: {error}")
-            log("checkpoint_skipped", step=step, error=error)
+            log("checkpoint_skipped", level=logging.WARNING, step=step, error=error)
             self._set_aside(step)
         if failures:
-            raise CheckpointError(f"{self.directory}: no usable checkpoint ({'; '.join(failures)})")
+            raise CheckpointError(
+                f"{self.directory}: no usable checkpoint ({'; '.join(failures)}); set aside in "
+                f"{self.run_dir / CORRUPT_SUBDIR}: a retry refuses to start over by itself "
+                "(`train --start-over` does, keeping the history)")
         return None
 
     def _restore(self, step: int) -> Restored:
@@ -291,6 +298,9 @@ class Checkpointer:
         items = {"state": ocp.args.StandardRestore(self.trainer.abstract_state)}
         if (self.directory / str(step) / "data").exists():
             items["data"] = ProcessJsonRestore()
+        elif meta.get("data_state_saved"):
+            raise CheckpointError("its input state (data/) is missing: resuming from it would "
+                                  "read the data from another position")
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
         actual = fingerprint(state)

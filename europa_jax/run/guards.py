@@ -36,7 +36,8 @@ class NonFiniteGuard:
             return
         self.consecutive += 1
         stop = self.cfg.nan_policy == "stop" or self.consecutive > self.cfg.max_consecutive_skips
-        events("nonfinite", step=step, loss=float(metrics["loss"]),
+        # a warning: a skipped step must show under --quiet
+        events("nonfinite", level=logging.WARNING, step=step, loss=float(metrics["loss"]),
                grad_norm=float(metrics["grad_norm"]), consecutive=self.consecutive,
                action="stop" if stop else "skip")
         if stop:

@@ -24,8 +24,8 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
-from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, logs,
-                            resume_changes, run_lock, run_log, timeline, trackers)
+from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, history,
+                            logs, resume_changes, run_lock, run_log, timeline, trackers)
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
@@ -69,12 +69,14 @@ class PeriodicEvaluation(Protocol):
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, *,
-          tasks: PeriodicEvaluation | None = None) -> list[dict]:
+          tasks: PeriodicEvaluation | None = None, start_over: bool = False) -> list[dict]:
     """Run to `cfg.train.steps`, resuming from the run directory's latest valid checkpoint.
 
     `tasks` runs `train.eval_tasks` (cli.py makes it: eval/during_training.py); a config
     that names tasks without it is refused. Returns the metrics logged by this
     invocation (metrics.jsonl holds the whole run).
+    A directory that once saved a checkpoint and has none left is refused
+    (`history.HistoryWouldBeLost`) unless `start_over` (history.py).
     Raises `RunDirInUse` when another command holds the run directory, `Preempted` after
     saving on SIGTERM/SIGUSR1, `NonFiniteStop` on a non-finite step under
     `checkpoint.nan_policy`, `SaveFailed` on a failed save under `checkpoint.on_save_error`.
@@ -91,11 +93,15 @@ def train(cfg: Config, run_dir: str | Path | None = None, *,
     validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
     with run_lock.hold(run_dir, "train"):  # before anything is written there
-        return _train(cfg, run_dir, host_batches, validation, tasks)
+        # checkpoints set aside by an earlier try leave none: a requeue must not start over
+        found = ([] if checkpoint.committed_steps(run_dir)
+                 else history.check_start(run_dir, start_over))
+        return _train(cfg, run_dir, host_batches, validation, tasks, found)
 
 
 def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
-           validation: Validation | None, tasks: PeriodicEvaluation | None) -> list[dict]:
+           validation: Validation | None, tasks: PeriodicEvaluation | None,
+           starting_over: list[str]) -> list[dict]:
     is_primary = jax.process_index() == 0
     if is_primary:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -110,25 +116,36 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     with watchdog if cfg.train.hang_watchdog else contextlib.nullcontext():
         try:
             return _steps(cfg, run_dir, host_batches, validation, tasks, events, clock,
-                          watchdog)
+                          watchdog, starting_over)
         finally:
             clock.close()
 
 
 def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
            validation: Validation | None, tasks: PeriodicEvaluation | None, events: EventLog,
-           clock: timeline.Timeline, watchdog: HangWatchdog) -> list[dict]:
+           clock: timeline.Timeline, watchdog: HangWatchdog,
+           starting_over: list[str]) -> list[dict]:
     is_primary = jax.process_index() == 0
     mesh = distributed.job_mesh(cfg.mesh)  # expert rows pinned to nodes, across processes
     trainer = build_trainer(cfg, mesh)
     ckpt = checkpoint.Checkpointer(cfg, run_dir, trainer)
+    if cfg.checkpoint.keep == 1 and is_primary:
+        log.warning("checkpoint.keep: 1 keeps a single checkpoint: if it is damaged (a kill "
+                    "during its write, a bad disk) nothing is left to resume from; 2 or more "
+                    "keep a fallback")
     saves = SaveGuard(ckpt, cfg.checkpoint, events)
     start = StartPhases(startup_s=clock.phase("restore"))
     restored = ckpt.restore_latest(events)
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     start.restored = restored is not None
     start_step = restored.step if restored else 0
-    if restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
+    if restored is None and is_primary and starting_over:  # asked for: history kept aside
+        kept = history.keep_old_metrics(run_dir)
+        events("started_over", f"starting over at step 0 ({history.START_OVER_FLAG}) after "
+               f"{'; '.join(starting_over)}"
+               + (f"; the old records are in {kept.name}" if kept else ""),
+               level=logging.WARNING, found=starting_over, kept=kept and kept.name)
+    elif restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
         log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
     if restored and is_primary:  # settings changed since the save, said before they act
         saved = restored.meta.get("config", {})

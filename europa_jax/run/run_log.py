@@ -2,7 +2,8 @@
 
 Process 0 writes the files; every process logs (logs.py puts its rank on each line).
 - `metrics.jsonl`: one JSON object per logged step (and one per validation), the record
-  `report.py` and tests read; after a resume it keeps the lines up to the resumed step.
+  `report.py` and tests read; after a resume it keeps the lines up to the resumed step
+  (the steps after it run again). A line a kill cut short is dropped on the next start.
 - the trackers `train.trackers` names (trackers.py): TensorBoard event files beside it
   and/or a Weights & Biases run, each given every record.
 - `events.jsonl`: checkpoints (started, written, failed), resumes, preemption, non-finite
@@ -23,56 +24,120 @@ from europa_jax.run import stragglers, trackers as trackers_lib
 log = logging.getLogger(__name__)
 
 
+class RunLogFailed(Exception):
+    """metrics.jsonl or events.jsonl could not be written (a full disk): the run stops as
+    for a failed save; one line."""
+
+
+def open_for_records(path: Path):
+    """The file a run's records are appended to (a seam the fault tests wrap)."""
+    return path.open("a")
+
+
+def readable_lines(path: Path) -> list[str]:
+    """The file's lines, a last line cut short by a kill (no JSON, no newline) dropped with
+    a warning and cut from the file, so the next record starts a line of its own."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            log.warning(f"{path}: its last line was cut short (the process stopped while "
+                        f"writing it): dropped ({len(lines[-1])} characters)")
+            lines.pop()
+            path.write_text("".join(line + "\n" for line in lines))
+    return lines
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
+
+
 class MetricsLog(contextlib.AbstractContextManager):
     """Appends records to metrics.jsonl and hands them to the trackers; a no-op on
-    processes other than 0."""
+    processes other than 0. A write that fails raises `RunLogFailed` once; later records
+    go to the trackers only."""
 
     def __init__(self, run_dir: Path, start_step: int, enabled: bool, config: dict,
                  trackers: tuple[str, ...] = ("tensorboard",)):
         self.enabled = enabled
         if not enabled:
             return
-        path = run_dir / "metrics.jsonl"
+        self.path = run_dir / "metrics.jsonl"
         kept = []
-        if start_step and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        self._file = path.open("w")
-        self._file.writelines(line + "\n" for line in kept)
-        self._file.flush()
+        if start_step and self.path.exists():
+            # steps past the restored one run again: their records are the rerun's
+            # (a line that is not JSON stays: nothing says which step it was)
+            kept = [line for line in readable_lines(self.path)
+                    if line.strip() and (_step_of(line) is None or _step_of(line) <= start_step)]
+        self._file, self._broken = None, False
+        try:
+            self.path.write_text("".join(line + "\n" for line in kept))
+            self._file = open_for_records(self.path)
+        except OSError as e:
+            self._fail(e)
         self._trackers = [trackers_lib.TRACKERS[name](run_dir, start_step, config)
                           for name in trackers]
+
+    def _fail(self, error: OSError):
+        self._broken = True
+        raise RunLogFailed(f"{self.path}: could not be written ({error.strerror or error}); "
+                           "the run stops: its checkpoints are kept and the same command "
+                           "resumes once the disk has room") from None
 
     def __call__(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if not self._broken:
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as e:
+                self._fail(e)
         for tracker in self._trackers:
             tracker.log(record)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.enabled:
-            self._file.close()
+            if self._file is not None:
+                with contextlib.suppress(OSError):  # a broken file's buffer cannot go out
+                    self._file.close()
             for tracker in self._trackers:
                 tracker.close(exc)
 
 
 class EventLog:
-    """Checkpoint, resume, preemption, non-finite and memory events: the log and events.jsonl."""
+    """Checkpoint, resume, preemption, non-finite and memory events: the log and events.jsonl.
+
+    A write that fails raises `RunLogFailed` once; later events are log lines only."""
 
     def __init__(self, run_dir: Path, enabled: bool):
-        self.path, self.enabled = run_dir / "events.jsonl", enabled
+        self.path, self.enabled, self._broken = run_dir / "events.jsonl", enabled, False
+        if enabled and self.path.exists():
+            readable_lines(self.path)  # a line cut short by a kill does not glue to the next
 
     def __call__(self, event: str, message: str | None = None, *, level: int = logging.INFO,
                  **fields) -> None:
         """Record `event` with `fields`; the log line is `message` or `event k=v ...`."""
         if not self.enabled:
             return
-        record = {"event": event, **fields, "time": time.time()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
         log.log(level, message or " ".join([event, *(f"{k}={v}" for k, v in fields.items())]))
+        if self._broken:
+            return
+        record = {"event": event, **fields, "time": time.time()}
+        try:
+            with open_for_records(self.path) as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._broken = True
+            raise RunLogFailed(f"{self.path}: could not be written ({e.strerror or e}); the "
+                               "run stops: its checkpoints are kept and the same command "
+                               "resumes once the disk has room") from None
 
 
 def gigabytes(n: float | None) -> str:

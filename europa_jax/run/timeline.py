@@ -22,11 +22,14 @@ checkpoint as lost work.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable
 
 import europa_jax
+
+log = logging.getLogger(__name__)
 
 FILE = "timeline.jsonl"
 PHASES = ("startup", "restore", "compile", "step", "validation", "checkpoint")
@@ -91,5 +94,10 @@ class Timeline:
                   "end": end}
         if self.step is not None:
             record["step"] = self.step
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: the goodput loses phases, the run goes on
+            self.enabled = False
+            log.warning(f"{self.path}: could not be written ({e.strerror or e}); this try's "
+                        "later phases are not recorded (the goodput will miss them)")
