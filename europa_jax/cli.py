@@ -375,45 +375,13 @@ def _export(args) -> int:
 
 
 def run_training(cfg, run_dir: str | None, *, start_over: bool = False) -> int:
-    """Train and map the outcome to an `exit_codes` value (also used by multi-process launchers)."""
-    from europa_jax.run.checkpoint import CheckpointError
-    from europa_jax.run.history import HistoryWouldBeLost
-    from europa_jax.run.loop import NonFiniteStop, train
-    from europa_jax.run.preemption import Preempted
-    from europa_jax.run.run_log import RunLogFailed
-    from europa_jax.run.save_outcome import SaveFailed
+    """Train and map the outcome to an `exit_codes` value (also used by multi-process
+    launchers): run/outcome.py, with the downstream tasks of `train.eval_tasks`."""
+    from europa_jax.run import outcome
 
-    try:
-        # the tasks are found and loaded before the run directory is touched
-        records = train(cfg, run_dir, tasks=_task_evaluation(cfg), start_over=start_over)
-    except (SaveFailed, RunLogFailed) as e:  # a full disk, not the user's input: the last
-        # good checkpoint is kept
-        _error(e)
-        return exit_codes.CRASH
-    except Preempted as e:
-        print(f"europa-jax: {e}", file=sys.stderr)
-        return exit_codes.INTERRUPTED if e.interrupted else exit_codes.PREEMPTED
-    except KeyboardInterrupt:  # before the loop took Ctrl-C over, or a second Ctrl-C
-        print("europa-jax: interrupted (Ctrl-C): nothing saved since the last checkpoint; "
-              "the same command resumes from it", file=sys.stderr)
-        return exit_codes.INTERRUPTED
-    except NonFiniteStop as e:
-        print(f"europa-jax: stopped: {e}", file=sys.stderr)
-        return exit_codes.NONFINITE
-    except (CheckpointError, ConfigError, DataError, HistoryWouldBeLost) as e:  # e.g. the
-        # run directory in use, or one whose checkpoints are gone
-        _error(e)
-        return exit_codes.BAD_INPUT
-    summary = {"steps": cfg.train.steps}
-    if records:
-        summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
-    else:  # the run directory already held the final step
-        where = run_dir or cfg.train.run_dir
-        print(f"europa-jax: {where} already holds step {cfg.train.steps}, the last: nothing "
-              "to train (raise train.steps to go on; `europa-jax report` shows the run)",
-              file=sys.stderr)
-    print(json.dumps(summary))
-    return exit_codes.OK
+    # the tasks are found and loaded before the run directory is touched
+    return outcome.train_to_exit_code(cfg, run_dir, tasks=_task_evaluation(cfg),
+                                      start_over=start_over)
 
 
 def _task_evaluation(cfg):

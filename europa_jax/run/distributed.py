@@ -11,10 +11,11 @@ The mesh covers every process's devices, so on CPU each process creates only its
 `mesh.data × mesh.expert / processes`. Collectives between CPU processes go over gloo.
 
 A rank that dies or never arrives must end the job, not hang it: start-up waits at most
-`EUROPA_JAX_INIT_TIMEOUT_S` for every process, the coordination service aborts the
+`EUROPA_JAX_INIT_TIMEOUT_S` for every process, the coordination service ends the
 others when one misses heartbeats for `EUROPA_JAX_HEARTBEAT_TIMEOUT_S`, and a process
 whose collective failed (on CPU, a dead peer is noticed at once) exits without waiting
-for its peers in jax's shutdown barrier.
+for its peers in jax's shutdown barrier; a lost peer is one line and exit 75, the
+requeue code (peer_lost.py).
 
 This module reads the environment and may set jax config before jax creates its backends,
 so `start` must run before anything touches a device.
@@ -22,6 +23,7 @@ so `start` must run before anything touches a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,7 +35,7 @@ import traceback
 from typing import Mapping
 
 from europa_jax.config import check_device_count, ConfigError, MeshConfig
-from europa_jax.run import exit_codes, logs
+from europa_jax.run import exit_codes, logs, peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +182,13 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                  f"{launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})")
         joining = time.perf_counter()
         try:
-            jax.distributed.initialize(
-                launch.coordinator, launch.num_processes, launch.process_id,
-                local_device_ids=list(launch.local_device_ids) if launch.local_device_ids
-                else None,
-                initialization_timeout=launch.init_timeout_s,
-                heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
+            with _peer_loss_reported():
+                jax.distributed.initialize(
+                    launch.coordinator, launch.num_processes, launch.process_id,
+                    local_device_ids=list(launch.local_device_ids) if launch.local_device_ids
+                    else None,
+                    initialization_timeout=launch.init_timeout_s,
+                    heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
         except Exception as e:  # no coordinator address found, an unusable one, ...
             raise StartError(
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
@@ -199,6 +202,37 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
              f"{launch.node}, pid {os.getpid()}, {jax.local_device_count()} local "
              f"{jax.devices()[0].platform} devices of {jax.device_count()}")
     return launch
+
+
+@contextlib.contextmanager
+def _peer_loss_reported():
+    """jax.distributed.initialize with the client's missed-heartbeat callback set to
+    peer_lost.on_missed_heartbeat (one line, an event, exit 75) instead of jax's default,
+    which aborts the process with a C++ stack trace. jax does not expose the option, so
+    the client factory it calls is wrapped for the call; if that is not possible (another
+    jax), the default stays."""
+    from jax._src import distributed as jax_distributed
+
+    factory_module = getattr(jax_distributed, "_jax", None)
+    real = getattr(factory_module, "get_distributed_runtime_client", None)
+    if real is None:
+        yield
+        return
+
+    def client(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", peer_lost.on_missed_heartbeat)
+        return real(*args, **kwargs)
+
+    try:
+        factory_module.get_distributed_runtime_client = client
+    except (AttributeError, TypeError):
+        log.debug("jax's distributed client factory cannot be wrapped: a lost peer aborts")
+        yield
+        return
+    try:
+        yield
+    finally:
+        factory_module.get_distributed_runtime_client = real
 
 
 def _exit_at_once(exc_type, exc, tb) -> None:

@@ -25,7 +25,8 @@ from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.model import flops
 from europa_jax.parallel import offload
 from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, history,
-                            logs, resume_changes, run_lock, run_log, timeline, trackers)
+                            logs, peer_lost, resume_changes, run_lock, run_log, timeline,
+                            trackers)
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.run.preemption import Preempted, StopRequests
 from europa_jax.run.run_log import EventLog, MetricsLog
@@ -92,6 +93,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, *,
     host_batches = host_batch_iterator(cfg)  # corpus errors surface before any compile
     validation = Validation(cfg) if cfg.train.eval_every else None
     run_dir = Path(run_dir or cfg.train.run_dir)
+    if jax.process_count() > 1:
+        peer_lost.watch(run_dir, jax.process_index())  # where a lost peer is reported
     with run_lock.hold(run_dir, "train"):  # before anything is written there
         # checkpoints set aside by an earlier try leave none: a requeue must not start over
         found = ([] if checkpoint.committed_steps(run_dir)

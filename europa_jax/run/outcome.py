@@ -1,0 +1,67 @@
+"""How a training run ends, as the process's exit code: the contract with launch scripts
+(exit_codes.py). Every ordinary ending is one line on stderr (`europa-jax: …`); the
+summary of a finished run is one JSON line on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from europa_jax.config import ConfigError
+from europa_jax.data.corpus import DataError
+from europa_jax.run import exit_codes
+
+
+def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False
+                       ) -> int:
+    """Train (loop.train) and map the outcome to an `exit_codes` value."""
+    from europa_jax.run import peer_lost
+    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.history import HistoryWouldBeLost
+    from europa_jax.run.loop import NonFiniteStop, train
+    from europa_jax.run.preemption import Preempted
+    from europa_jax.run.run_log import RunLogFailed
+    from europa_jax.run.save_outcome import SaveFailed
+
+    try:
+        records = train(cfg, run_dir, tasks=tasks, start_over=start_over)
+    except (SaveFailed, RunLogFailed) as e:  # a full disk, not the user's input: the last
+        # good checkpoint is kept
+        error(e)
+        return exit_codes.CRASH
+    except Preempted as e:
+        print(f"europa-jax: {e}", file=sys.stderr)
+        return exit_codes.INTERRUPTED if e.interrupted else exit_codes.PREEMPTED
+    except KeyboardInterrupt:  # before the loop took Ctrl-C over, or a second Ctrl-C
+        print("europa-jax: interrupted (Ctrl-C): nothing saved since the last checkpoint; "
+              "the same command resumes from it", file=sys.stderr)
+        return exit_codes.INTERRUPTED
+    except NonFiniteStop as e:
+        print(f"europa-jax: stopped: {e}", file=sys.stderr)
+        return exit_codes.NONFINITE
+    except (CheckpointError, ConfigError, DataError, HistoryWouldBeLost) as e:  # e.g. the
+        # run directory in use, or one whose checkpoints are gone
+        error(e)
+        return exit_codes.BAD_INPUT
+    except Exception as e:
+        import jax
+
+        if jax.process_count() > 1 and peer_lost.is_peer_loss(e):  # a collective with the dead
+            peer_lost.exit_requeue(str(e))
+        raise
+    summary = {"steps": cfg.train.steps}
+    if records:
+        summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
+    else:  # the run directory already held the final step
+        where = run_dir or cfg.train.run_dir
+        print(f"europa-jax: {where} already holds step {cfg.train.steps}, the last: nothing "
+              "to train (raise train.steps to go on; `europa-jax report` shows the run)",
+              file=sys.stderr)
+    print(json.dumps(summary))
+    return exit_codes.OK
+
+
+def error(e: Exception) -> None:
+    """`europa-jax: error: ...` on stderr, once per line of the message."""
+    for line in str(e).splitlines() or [type(e).__name__]:
+        print(f"europa-jax: error: {line}", file=sys.stderr)
