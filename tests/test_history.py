@@ -131,3 +131,34 @@ def test_a_full_disk_under_metrics_is_one_line_and_the_resume_repairs_the_cut_li
     assert rc == exit_codes.OK, err[-3000:]
     assert "its last line was cut short" in err
     assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_shard_truncated_while_the_run_reads_it_is_one_line_not_a_sigbus(tmp_path,
+                                                                           cli_env):  # noqa: F811
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * (2 + i % 5) for i in range(200)]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepared = subprocess.run([sys.executable, "-m", "europa_jax.cli", "prepare", "--input",
+                               str(tmp_path / "code.jsonl"), "--out", str(tmp_path / "corpus")],
+                              cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    (shard,) = (tmp_path / "corpus").glob("*tokens*")
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "europa_jax.cli", "train", config_path("tiny-cpu.yaml"),
+            "--run-dir", str(run_dir),
+            *[a for item in [*TINY, "train.steps=200", "checkpoint.every_steps=0",
+                             "data.source=prepared", f"data.path={tmp_path / 'corpus'}",
+                             "data.validation_fraction=0"] for a in ("--set", item)]]
+    proc = subprocess.Popen(args, cwd=REPO, env=cli_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    from test_checkpoint import wait_for_step
+    wait_for_step(proc, run_dir, 2)
+    with shard.open("r+b") as f:  # a careless copy or cleanup, as the run reads the file
+        f.truncate(shard.stat().st_size // 3)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == exit_codes.BAD_INPUT, err[-3000:]  # not -7 (SIGBUS)
+    (line,) = [x for x in err.splitlines() if x.startswith("europa-jax")]
+    assert line.startswith(f"europa-jax: error: {shard}: ") and "changed while the run" in line
+    assert "Traceback" not in err
+    (event,) = [e for e in events(run_dir) if e["event"] == "data_error"]
+    assert str(shard) in event["error"]

@@ -203,7 +203,11 @@ class TokenCorpus:
     Opening checks the manifest and every file's size (a truncated or missing shard is an
     error here, not a short read mid-run); `verify=True` also recomputes the checksums.
     Memory maps are opened lazily and dropped when pickled, so the object is cheap to
-    send to Grain worker processes.
+    send to Grain worker processes. Every read checks its shards' sizes again (a stat
+    each): a shard truncated while a run reads it would otherwise kill the process with
+    SIGBUS when the mapped pages past its new end are touched; it is a `DataError` naming
+    the file instead. (A truncation landing between that check and the copy, microseconds
+    later, can still fault.)
     """
 
     def __init__(self, path: str | Path, *, verify: bool = False):
@@ -238,10 +242,32 @@ class TokenCorpus:
 
     def _mapped(self) -> list[tuple[np.ndarray, np.ndarray]]:
         if self._maps is None:
-            self._maps = [(np.memmap(self.path / s.tokens_file, dtype=self.dtype, mode="r"),
-                           np.memmap(self.path / s.offsets_file, dtype="<i8", mode="r"))
-                          for s in self.manifest.shards]
+            try:
+                self._maps = [(np.memmap(self.path / s.tokens_file, dtype=self.dtype, mode="r"),
+                               np.memmap(self.path / s.offsets_file, dtype="<i8", mode="r"))
+                              for s in self.manifest.shards]
+            except OSError as e:  # vanished since the corpus was opened
+                raise DataError(f"{e.filename}: unreadable shard ({e.strerror or e}) while the "
+                                f"run reads {self.path}") from None
         return self._maps
+
+    def _still_whole(self, shards: list[int]) -> None:
+        """The listed shards' files still have their manifest sizes (before their pages are
+        touched: past a truncated file's end a mapped page is a SIGBUS, not an error)."""
+        for s in shards:
+            shard = self.manifest.shards[s]
+            for name, size in ((shard.tokens_file, shard.tokens * self.dtype.itemsize),
+                               (shard.offsets_file, shard.documents * 8)):
+                path = self.path / name
+                try:
+                    actual = path.stat().st_size
+                except OSError as e:
+                    raise DataError(f"{path}: unreadable shard ({e.strerror or e}) while the "
+                                    "run reads it") from None
+                if actual != size:
+                    raise DataError(f"{path}: {actual} bytes, expected {size} per "
+                                    f"{self.path / MANIFEST}: the shard changed while the run "
+                                    "read it (truncated or replaced)")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": None}
@@ -265,6 +291,7 @@ class TokenCorpus:
         start_W = np.zeros(len(shard_W), dtype=np.int64)
         end_W = np.zeros(len(shard_W), dtype=np.int64)
         maps = self._mapped()
+        self._still_whole(np.unique(shard_W).tolist())
         for s in np.unique(shard_W).tolist():
             sel = shard_W == s
             ends = maps[s][1]

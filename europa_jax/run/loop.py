@@ -22,6 +22,7 @@ import numpy as np
 from europa_jax.config import check_device_count, Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
+from europa_jax.data.corpus import DataError
 from europa_jax.model import flops
 from europa_jax.parallel import offload
 from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, history,
@@ -182,7 +183,11 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     start.restore_s = phase_s
                 watchdog.note("waiting for its batch")
                 began = time.perf_counter()
-                host_batch, batch = next(batches)
+                try:
+                    host_batch, batch = next(batches)
+                except DataError as e:  # a shard changed under the run: say so in the record
+                    events("data_error", str(e), level=logging.ERROR, step=done, error=str(e))
+                    raise
                 # Taken right after the batch is drawn: the position a resume starts from.
                 data_state = host_batches.get_state()
                 faults.before_step(done)
