@@ -10,7 +10,8 @@ CRASH = 1  # an uncaught exception (Python's own code): a bug or a hardware faul
 BAD_INPUT = 2  # config, command line, checkpoint or weights a user must fix, a run
 # directory another command holds (run_lock.py), one whose checkpoints are gone (history.py),
 # or a corpus shard that changed while the run read it (a `data_error` event)
-NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`; last good checkpoint kept
+NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`, or loss spikes that
+# rolling back did not cure (spikes.py); the last good checkpoint kept
 PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL).
 # Also a hang the watchdog broke (watchdog.py): nothing saved, the requeue resumes from
 # the last checkpoint

@@ -5,6 +5,8 @@ Set in a process's environment (never by a configuration):
   batch, before its step: a straggler (a slow input pipeline or host).
 - `EUROPA_JAX_INJECT_HANG=P:STEP` — process P stops before dispatching step STEP and
   never goes on: a rank stuck short of a collective, which the hang watchdog must break.
+- `EUROPA_JAX_INJECT_SPIKE=STEP` — the first time step STEP runs, every process trains it
+  on scrambled tokens: a bad batch whose loss spikes, for the spike guard (spikes.py).
 
 Malformed values are a one-line configuration error: a test that meant to inject a fault
 and silently did not would pass for the wrong reason.
@@ -21,6 +23,7 @@ from europa_jax.config import ConfigError
 
 ENV_DELAY = "EUROPA_JAX_INJECT_DELAY"
 ENV_HANG = "EUROPA_JAX_INJECT_HANG"
+ENV_SPIKE = "EUROPA_JAX_INJECT_SPIKE"
 
 
 def _parse(env: Mapping[str, str], key: str, kind) -> tuple[int, float] | None:
@@ -39,6 +42,19 @@ class Faults:
         delay, hang = _parse(env, ENV_DELAY, float), _parse(env, ENV_HANG, int)
         self.delay_s = delay[1] if delay and delay[0] == process_index else 0.0
         self.hang_step = hang[1] if hang and hang[0] == process_index else None
+        raw = env.get(ENV_SPIKE)
+        try:
+            self.spike_step = int(raw) if raw else None
+        except ValueError:
+            raise ConfigError(f"{ENV_SPIKE}: {raw!r} is not STEP") from None
+
+    def bad_batch(self, step: int, batch: dict) -> dict:
+        """`batch`, or at the spike step (once) its tokens scrambled (t·31 + 7 mod 256:
+        text no model predicts), on the devices as they are sharded."""
+        if self.spike_step is None or step != self.spike_step:
+            return batch
+        self.spike_step = None  # a rollback runs the step number again: a good batch then
+        return {**batch, "tokens": (batch["tokens"] * 31 + 7) % 256}
 
     def before_step(self, step: int) -> None:
         """Called after the batch of 1-based `step` is drawn, before it is dispatched."""

@@ -24,13 +24,14 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.data.corpus import DataError
 from europa_jax.model import flops
-from europa_jax.parallel import offload
 from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, history,
                             logs, peer_lost, resume_changes, run_lock, run_log, timeline,
                             trackers)
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.run.preemption import Preempted, StopRequests
+from europa_jax.run.profiler import Profiler, memory_report
 from europa_jax.run.run_log import EventLog, MetricsLog
+from europa_jax.run.spikes import SpikeGuard
 from europa_jax.run.stragglers import StepTimes, StragglerMonitor
 from europa_jax.run.watchdog import HangWatchdog
 from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
@@ -163,6 +164,7 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
         host_batches.set_state(restored.data_state)
     step_fn, executable = jit_train_step(trainer), None
     guard = NonFiniteGuard(cfg.checkpoint)
+    spikes = SpikeGuard(cfg.checkpoint, cfg.model.vocab_size)
     profiler = Profiler(cfg, run_dir)
     faults = fault_injection.Faults(jax.process_index())
     # one process has no one to straggle behind
@@ -176,10 +178,11 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                         cfg.train.trackers) as metrics_log, \
                 jax.set_mesh(mesh), StopRequests() as stop:
             batches = device_batches(trainer, host_batches)
-            for step in range(start_step, cfg.train.steps):
+            step, first = start_step, True
+            while step < cfg.train.steps:
                 done = step + 1
                 phase_s = clock.phase("step", done)  # the previous step's or the restore's
-                if step == start_step:
+                if first:
                     start.restore_s = phase_s
                 watchdog.note("waiting for its batch")
                 began = time.perf_counter()
@@ -191,6 +194,7 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 # Taken right after the batch is drawn: the position a resume starts from.
                 data_state = host_batches.get_state()
                 faults.before_step(done)
+                batch = faults.bad_batch(done, batch)
                 if executable is None:  # compiled here, with the batch's shapes, then met
                     clock.phase("compile")
                     if is_primary:  # the longest silence of a start otherwise
@@ -218,14 +222,14 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     [dispatched - began, step_time] if timed else [])
                 times = StepTimes(rows[:, 0], rows[:, 1]) if timed else None
                 watchdog.step_took(time.perf_counter() - began)
-                if step == start_step:
+                if first:
                     memory = memory_report(state)
                     events("memory", run_log.memory_line(done, memory), step=done, **memory)
                     start.first_step_s = time.perf_counter() - began
                     events("start_phases", start.line(done), step=done, **start.fields())
                 if step % cfg.train.log_every == 0 or done == cfg.train.steps:
                     logged.append(_record(cfg, done, metrics, step_time, host_batch,
-                                          compiled=step == start_step,
+                                          compiled=first,
                                           stats=host_batches.stats))
                     if times is not None:
                         logged[-1].update(times.summary(monitor.nodes))
@@ -233,7 +237,14 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     metrics_log(logged[-1])
                     log_line(logged[-1])
                 progress(step, metrics)
+                first = False
                 guard.check(done, metrics, events)  # raises NonFiniteStop: nothing saved
+                why = spikes.check(metrics)
+                if why is not None:  # its update is in `state`: back to the last save
+                    state = None  # freed before the restore allocates another
+                    state, step = _roll_back(ckpt, saves, spikes, trainer, cfg, events,
+                                             done, why)
+                    continue
                 if validation and done % cfg.train.eval_every == 0:
                     clock.phase("validation")
                     record = validation.evaluate(trainer, state, done)
@@ -255,10 +266,12 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     saves.check(wait=True)  # one save at a time: the one before must be done
                     ckpt.save(done, state, data_state, reason=reason)
                     events("checkpoint_saving", step=done, reason=reason)
+                    spikes.saved()
                 if stopping:
                     saves.check(wait=True, ending=True)  # exit for requeue only once saved
                     events("preempted", step=done, signal=stop.signal_name)
                     raise Preempted(done, stop.signal_name)
+                step += 1
         clock.phase("checkpoint")
         saves.check(wait=True, ending=True)  # the final save is the run's result
     finally:
@@ -299,6 +312,23 @@ class StartPhases:
                 f"compile {self.compile_s:.1f} s ({cache}; "
                 f"then {self.compile_wait_s:.1f} s waiting for the job), first step "
                 f"{self.first_step_s:.2f} s (step {step})")
+
+
+def _roll_back(ckpt, saves, spikes: SpikeGuard, trainer, cfg: Config, events: EventLog,
+               done: int, why: str):
+    """After a spike at step `done`: the last checkpoint's state (or the initial one if
+    none was saved yet) and its step; the data stream goes on after the spiking batch."""
+    saves.check(wait=True)  # a save in flight is of a state before the spike: let it land
+    last_good = (checkpoint.committed_steps(ckpt.run_dir) or [None])[-1]
+    spikes.rolled_back(done, why, last_good)  # raises SpikeStop past the limit
+    restored = ckpt.restore_latest(events) if last_good else None
+    target = restored.step if restored else 0
+    events("loss_spike", f"step {done}: {why}: rolled back to "
+           + (f"the checkpoint of step {target}" if restored else "the initial weights")
+           + f"; training goes on with the batches after step {done}'s",
+           level=logging.WARNING, step=done, reason=why, rolled_back_to=target)
+    state = restored.state if restored else init_state(trainer, cfg.train.seed)
+    return state, target
 
 
 def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
@@ -347,51 +377,3 @@ class Validation:
         loss = float((losses * counts).sum() / max(counts.sum(), 1.0))
         return {"step": step, "val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
                 "val_tokens": int(counts.sum())}
-
-
-class Profiler:
-    """A jax.profiler trace of steps [a, b] (train.profile_steps) into <run_dir>/profile.
-
-    TensorBoard's profile plugin, XProf and Perfetto read it; each process that traces
-    writes its own subdirectory, so two processes on one host do not collide.
-    """
-
-    def __init__(self, cfg: Config, run_dir: Path):
-        steps = cfg.train.profile_steps
-        traced = jax.process_index() == 0 or cfg.train.profile_all_processes
-        self.first, self.last = steps if steps and traced else (0, -1)
-        self.dir = run_dir / "profile" / f"process-{jax.process_index()}"
-        self.active = False
-
-    def before(self, step: int) -> None:
-        if step == self.first:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.dir))
-            self.active = True
-            log.info(f"profiling steps {self.first}-{self.last} into {self.dir}")
-
-    def after(self, step: int) -> None:
-        if self.active and step == self.last:
-            self.close()
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-            log.info(f"profile written to {self.dir}")
-
-
-def memory_report(state) -> dict:
-    """Device memory in use and at peak (where the backend reports it) and the train
-    state's bytes per device by memory kind, to hold a run against `europa-jax plan`."""
-    stats = [d.memory_stats() or {} for d in jax.local_devices()]
-    in_use = [s.get("bytes_in_use") for s in stats]
-    peak = [s.get("peak_bytes_in_use") for s in stats]
-    kinds: dict[str, int] = {}
-    for part in offload.state_bytes(state).values():
-        for kind, n in part.items():
-            kinds[kind] = kinds.get(kind, 0) + n
-    return {"state_bytes_per_device": kinds,
-            "device_bytes_in_use_max": max(in_use) if None not in in_use else None,
-            "device_peak_bytes_max": max(peak) if None not in peak else None,
-            "device_bytes_limit": stats[0].get("bytes_limit")}

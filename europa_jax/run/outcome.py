@@ -22,6 +22,7 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
     from europa_jax.run.preemption import Preempted
     from europa_jax.run.run_log import RunLogFailed
     from europa_jax.run.save_outcome import SaveFailed
+    from europa_jax.run.spikes import SpikeStop
 
     try:
         records = train(cfg, run_dir, tasks=tasks, start_over=start_over)
@@ -36,7 +37,7 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
         print("europa-jax: interrupted (Ctrl-C): nothing saved since the last checkpoint; "
               "the same command resumes from it", file=sys.stderr)
         return exit_codes.INTERRUPTED
-    except NonFiniteStop as e:
+    except (NonFiniteStop, SpikeStop) as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
         return exit_codes.NONFINITE
     except (CheckpointError, ConfigError, DataError, HistoryWouldBeLost) as e:  # e.g. the

@@ -145,7 +145,7 @@ def gigabytes(n: float | None) -> str:
 
 
 def memory_line(step: int, memory: dict) -> str:
-    """The memory event (loop.memory_report) as a sentence to hold against `plan`."""
+    """The memory event (profiler.memory_report) as a sentence to hold against `plan`."""
     state = ", ".join(f"{kind} {gigabytes(n)}"
                       for kind, n in memory["state_bytes_per_device"].items())
     if memory["device_bytes_in_use_max"] is None:

@@ -1,0 +1,84 @@
+"""Loss spikes (run/spikes.py): a spiking step rolls the run back to its last checkpoint and
+training goes on past the bad batch; a run that keeps spiking stops with exit 3 and never
+saves the damage; the rule against the last healthy steps and before them."""
+
+import math
+
+import pytest
+
+from europa_jax.config import CheckpointConfig, ConfigError
+from europa_jax.config_loader import load_config
+from europa_jax.run import checkpoint, exit_codes, spikes
+from conftest import config_path
+from test_checkpoint import cli_env, events, metrics, run_cli  # noqa: F401
+
+
+def step(loss, grad_norm=1.0, finite=True):
+    return {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+
+def test_a_spike_is_judged_against_the_healthy_steps_before_it():
+    guard = spikes.SpikeGuard(CheckpointConfig(spike_window=16), vocab_size=257)
+    uniform = math.log(257)
+    # before MIN_HISTORY healthy steps: only twice a uniform prediction's loss is a spike
+    assert guard.check(step(1.9 * uniform)) is None
+    assert "ln(vocab)" in guard.check(step(2.1 * uniform))
+    assert guard.check(step(float("nan"), finite=False)) is None  # guards.py's, not ours
+    for i in range(20):
+        assert guard.check(step(3.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 2))) is None
+    assert len(guard.window) == 16  # the last spike_window healthy steps
+    assert guard.check(step(3.05)) is None  # within the floor of 10 % over the mean
+    why = guard.check(step(4.0))
+    assert why.startswith("loss 4 > ") and "6σ of the last 16 steps" in why
+    assert guard.check(step(3.0, grad_norm=50.0)).startswith("grad_norm 50 > ")
+    assert len(guard.window) == 17 - 1  # spikes do not join the window
+
+
+def test_rollbacks_without_a_save_between_them_stop_the_run():
+    guard = spikes.SpikeGuard(CheckpointConfig(max_spike_rollbacks=2), vocab_size=257)
+    guard.rolled_back(5, "why", 4)
+    guard.saved()
+    for _ in range(2):
+        guard.rolled_back(7, "why", 4)
+    with pytest.raises(spikes.SpikeStop, match=r"step 7: why; 2 rollbacks since the last "
+                                                r"checkpoint did not help .* the last "
+                                                r"checkpoint, step 4, was saved before any"):
+        guard.rolled_back(7, "why", 4)
+
+
+def test_bad_spike_settings_are_one_line():
+    with pytest.raises(ConfigError, match="checkpoint.spike_window: -1"):
+        load_config(config_path("tiny-cpu.yaml"), ["checkpoint.spike_window=-1"])
+    assert not load_config(config_path("tiny-cpu.yaml"),
+                           ["checkpoint.spike_window=0"]).checkpoint.spike_window
+
+
+@pytest.mark.slow
+def test_a_bad_batch_s_spike_rolls_back_and_the_run_goes_on_past_it(tmp_path, cli_env):  # noqa: F811
+    env = {**cli_env, "EUROPA_JAX_INJECT_SPIKE": "30"}
+    # a short window: in 36 steps the loss still falls fast (5.6 → 3.7), and 6σ of a long
+    # window of a falling loss is wide (a step-30 loss of 6.2 under the last 29 steps' 8.3)
+    rc, _, err = run_cli(tmp_path, env, "train.steps=36", "checkpoint.every_steps=8",
+                         "checkpoint.spike_window=8")
+    assert rc == exit_codes.OK, err[-3000:]
+    records = metrics(tmp_path)
+    (spike,) = [e for e in events(tmp_path) if e["event"] == "loss_spike"]
+    assert spike["step"] == 30 and spike["rolled_back_to"] == 24, (spike, records[20:31])
+    assert "rolled back to the checkpoint of step 24" in err
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, 31)) + list(range(25, 37))  # the spike's record is kept
+    assert checkpoint.committed_steps(tmp_path)[-1] == 36
+
+
+@pytest.mark.slow
+def test_a_learning_rate_that_blows_up_stops_with_exit_3_and_saves_no_damage(tmp_path,
+                                                                             cli_env):  # noqa: F811
+    rc, _, err = run_cli(tmp_path, cli_env, "optim.learning_rate=1000", "optim.warmup_steps=0",
+                         "train.steps=16", "checkpoint.every_steps=1")
+    assert rc == exit_codes.NONFINITE, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("europa-jax")]
+    assert "rollbacks since the last checkpoint did not help" in line, line
+    rolled = [e for e in events(tmp_path) if e["event"] == "loss_spike"]
+    assert len(rolled) == 3  # the fourth spike stops the run
+    saved = checkpoint.committed_steps(tmp_path)
+    assert all(s < rolled[0]["step"] for s in saved), (saved, rolled)  # saved before any spike
