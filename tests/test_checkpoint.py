@@ -389,8 +389,15 @@ def small(tiny_cfg):
 
 
 class Events(list):
+    """A recording EventLog: the events in order, and the level each event was logged at."""
+
+    def __init__(self):
+        super().__init__()
+        self.levels = {}
+
     def __call__(self, event, message=None, level=None, **fields):
         self.append({"event": event, **fields})
+        self.levels[event] = level
 
 
 def on_mesh(tiny_cfg, mesh_cfg, devices=None):
@@ -477,6 +484,7 @@ def test_a_checkpoint_without_its_input_state_is_set_aside_like_any_corrupt_one(
     restored = checkpoint.Checkpointer(tiny_cfg, tmp_path, trainer).restore_latest(log)
     assert restored.step == 1 and restored.data_state == {"at": 1}
     assert log[0]["event"] == "checkpoint_skipped" and "input state" in log[0]["error"]
+    assert log.levels["checkpoint_skipped"] == logging.WARNING  # shown under --quiet
     assert checkpoint.committed_steps(tmp_path) == [1]
 
 

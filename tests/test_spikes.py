@@ -46,6 +46,19 @@ def test_rollbacks_without_a_save_between_them_stop_the_run():
         guard.rolled_back(7, "why", 4)
 
 
+def test_skipped_steps_and_set_aside_checkpoints_are_warnings_not_info():
+    """--quiet shows warnings: a skipped step and a set-aside checkpoint must be among them."""
+    import logging
+
+    from europa_jax.run.guards import NonFiniteGuard
+
+    seen = []
+    NonFiniteGuard(CheckpointConfig()).check(
+        3, {"finite": False, "loss": float("nan"), "grad_norm": 1.0},
+        lambda event, message=None, *, level=logging.INFO, **fields: seen.append((event, level)))
+    assert seen == [("nonfinite", logging.WARNING)]
+
+
 def test_bad_spike_settings_are_one_line():
     with pytest.raises(ConfigError, match="checkpoint.spike_window: -1"):
         load_config(config_path("tiny-cpu.yaml"), ["checkpoint.spike_window=-1"])
@@ -74,8 +87,10 @@ def test_a_bad_batch_s_spike_rolls_back_and_the_run_goes_on_past_it(tmp_path, cl
 def test_a_learning_rate_that_blows_up_stops_with_exit_3_and_saves_no_damage(tmp_path,
                                                                              cli_env):  # noqa: F811
     rc, _, err = run_cli(tmp_path, cli_env, "optim.learning_rate=1000", "optim.warmup_steps=0",
-                         "train.steps=16", "checkpoint.every_steps=1")
+                         "train.steps=16", "checkpoint.every_steps=1", "checkpoint.keep=1")
     assert rc == exit_codes.NONFINITE, err[-3000:]
+    assert "WARNING rank 0/1 europa_jax.run.loop: checkpoint.keep: 1 keeps a single " \
+           "checkpoint" in err  # a warning: it shows under --quiet too
     (line,) = [x for x in err.splitlines() if x.startswith("europa-jax")]
     assert "rollbacks since the last checkpoint did not help" in line, line
     rolled = [e for e in events(tmp_path) if e["event"] == "loss_spike"]
