@@ -77,7 +77,7 @@ def test_a_missed_heartbeat_is_one_line_an_event_and_exit_75_not_an_abort(tmp_pa
 INIT_DRIVER = """
 import sys
 from jax._src import distributed as jax_distributed
-from europa_jax.run import distributed, peer_lost
+from europa_jax.run import peer_lost
 seen = {}
 real = jax_distributed._jax.get_distributed_runtime_client
 def spy(*args, **kwargs):
@@ -85,7 +85,7 @@ def spy(*args, **kwargs):
     return real(*args, **kwargs)
 jax_distributed._jax.get_distributed_runtime_client = spy
 import jax
-with distributed._peer_loss_reported():
+with peer_lost.reported_by_the_client():
     jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", 1, 0)
 assert seen["missed_heartbeat_callback"] is peer_lost.on_missed_heartbeat, seen
 assert jax_distributed._jax.get_distributed_runtime_client is spy  # restored after the call

@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from europa_jax.parallel import offload, sharding
+from europa_jax.parallel import sharding
 from europa_jax.plan import hlo_report
 from europa_jax.run import loop
 from europa_jax.train import train
 from test_comm import lowered_step_hlo, with_comm
+from test_microbatches import gradients_of
 
 ROWS = 8
 
@@ -44,15 +45,6 @@ def one_and_two_rows(tiny_cfg):
         batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in host_batch.items()}
         out[trainer.mesh.devices.size] = (trainer, state, batch)
     return out
-
-
-def gradients_of(trainer, state, batch):
-    def grads(state, batch):
-        params = offload.to_device(state.params, trainer.state_shardings.params)
-        return train.gradients(trainer, params, state.router_bias_LE, batch)
-
-    with jax.set_mesh(trainer.mesh):
-        return jax.device_get(jax.jit(grads)(state, batch))
 
 
 def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(

@@ -23,7 +23,6 @@ so `start` must run before anything touches a device.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -182,7 +181,7 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                  f"{launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})")
         joining = time.perf_counter()
         try:
-            with _peer_loss_reported():
+            with peer_lost.reported_by_the_client():
                 jax.distributed.initialize(
                     launch.coordinator, launch.num_processes, launch.process_id,
                     local_device_ids=list(launch.local_device_ids) if launch.local_device_ids
@@ -202,37 +201,6 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
              f"{launch.node}, pid {os.getpid()}, {jax.local_device_count()} local "
              f"{jax.devices()[0].platform} devices of {jax.device_count()}")
     return launch
-
-
-@contextlib.contextmanager
-def _peer_loss_reported():
-    """jax.distributed.initialize with the client's missed-heartbeat callback set to
-    peer_lost.on_missed_heartbeat (one line, an event, exit 75) instead of jax's default,
-    which aborts the process with a C++ stack trace. jax does not expose the option, so
-    the client factory it calls is wrapped for the call; if that is not possible (another
-    jax), the default stays."""
-    from jax._src import distributed as jax_distributed
-
-    factory_module = getattr(jax_distributed, "_jax", None)
-    real = getattr(factory_module, "get_distributed_runtime_client", None)
-    if real is None:
-        yield
-        return
-
-    def client(*args, **kwargs):
-        kwargs.setdefault("missed_heartbeat_callback", peer_lost.on_missed_heartbeat)
-        return real(*args, **kwargs)
-
-    try:
-        factory_module.get_distributed_runtime_client = client
-    except (AttributeError, TypeError):
-        log.debug("jax's distributed client factory cannot be wrapped: a lost peer aborts")
-        yield
-        return
-    try:
-        yield
-    finally:
-        factory_module.get_distributed_runtime_client = real
 
 
 def _exit_at_once(exc_type, exc, tb) -> None:

@@ -9,7 +9,8 @@ A dead peer reaches a survivor one of two ways:
 - **the coordination service** stops hearing the peer's heartbeats
   (`EUROPA_JAX_HEARTBEAT_TIMEOUT_S`) while this process waits elsewhere (a barrier, the
   key-value store): jax's client would abort the process (SIGABRT, a C++ stack trace);
-  distributed.py gives it `on_missed_heartbeat` instead.
+  `reported_by_the_client` (distributed.py's initialize runs under it) gives it
+  `on_missed_heartbeat` instead.
 
 Either way the process leaves with os._exit: a normal exit would wait in jax's shutdown
 barrier for the peers that are gone. What the dead process had not saved is lost; an
@@ -18,7 +19,9 @@ unfinished save is never used (checkpoint.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -32,6 +35,7 @@ _SIGNS = ("Connection reset by peer", "Connection closed by peer", "Connection r
           "Broken pipe", "Gloo", "gloo", "NCCL", "nccl", "stopped sending heartbeats",
           "tasks have crashed", "CoordinationService", "coordination service")
 _where: dict = {}
+log = logging.getLogger(__name__)
 
 
 def watch(run_dir: Path, process_index: int) -> None:
@@ -87,3 +91,34 @@ def on_missed_heartbeat(*status) -> None:
     """jax's distributed client calls this (from its own thread) when the coordination
     service reports a task gone, instead of aborting the process."""
     exit_requeue(str(status[0]) if status else "the coordination service lost a task")
+
+
+@contextlib.contextmanager
+def reported_by_the_client():
+    """jax.distributed.initialize with the client's missed-heartbeat callback set to
+    on_missed_heartbeat (one line, an event, exit 75) instead of jax's default,
+    which aborts the process with a C++ stack trace. jax does not expose the option, so
+    the client factory it calls is wrapped for the call; if that is not possible (another
+    jax), the default stays."""
+    from jax._src import distributed as jax_distributed
+
+    factory_module = getattr(jax_distributed, "_jax", None)
+    real = getattr(factory_module, "get_distributed_runtime_client", None)
+    if real is None:
+        yield
+        return
+
+    def client(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", on_missed_heartbeat)
+        return real(*args, **kwargs)
+
+    try:
+        factory_module.get_distributed_runtime_client = client
+    except (AttributeError, TypeError):
+        log.debug("jax's distributed client factory cannot be wrapped: a lost peer aborts")
+        yield
+        return
+    try:
+        yield
+    finally:
+        factory_module.get_distributed_runtime_client = real

@@ -74,7 +74,8 @@ class MetricsLog(contextlib.AbstractContextManager):
             # steps past the restored one run again: their records are the rerun's
             # (a line that is not JSON stays: nothing says which step it was)
             kept = [line for line in readable_lines(self.path)
-                    if line.strip() and (_step_of(line) is None or _step_of(line) <= start_step)]
+                    if line.strip()
+                    and ((step := _step_of(line)) is None or step <= start_step)]
         self._file, self._broken = None, False
         try:
             self.path.write_text("".join(line + "\n" for line in kept))
