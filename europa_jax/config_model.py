@@ -104,6 +104,16 @@ class ModelConfig:
     # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
     grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
                             "ragged_dot"] = "auto"
+    # FP8 for the weight GEMMs, forward and backward (model/fp8_linear.py; docs/open-
+    # questions.md): `tensor` = e4m3 operands (e5m2 gradients) with one power-of-two scale
+    # per tensor, what XLA's GPU compiler runs as cuBLASLt FP8 GEMMs on Hopper; `block` =
+    # DeepSeek-V3's 1×128 / 128×128 scales, emulated (a numerics study: on a GPU no faster
+    # than bf16). Attention's projections, the dense MLPs, the shared experts and the MTP
+    # projection; never the router, the head or attention's scores.
+    fp8_gemms: Literal["none", "tensor", "block"] = "none"
+    # The routed experts' GEMMs in DeepSeek-V3's FP8, emulated (`block`): with the `blocked`
+    # expert kernel only — no FP8 grouped GEMM with block scales exists for Hopper.
+    fp8_expert_gemms: Literal["none", "block"] = "none"
     # null = dropless. A float bounds rows per peer to ceil(factor · T·K / ep); rows past
     # it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None

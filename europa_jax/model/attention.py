@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
-from europa_jax.model import flash_backward, kernels
+from europa_jax.model import flash_backward, fp8_linear, kernels
 from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
 from europa_jax.parallel import comm
 
@@ -66,14 +66,15 @@ class MLAttention(nn.Module):
         # With context parallelism, the node's rows: gathers of the latents (2,112 values
         # per token), never of the heads; from here on B is the node's rows and H this
         # GPU's heads.
-        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(x_BSD @ w_q_a_DQ)
-        q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK)
+        fp8 = cfg.fp8_gemms
+        q_a_BSQ, kv_a_BSA = fp8_linear.matmuls_of_one_input(x_BSD, (w_q_a_DQ, w_kv_a_DA), fp8)
+        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(q_a_BSQ)
+        q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK, fp8)
         q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
 
-        kv_a_BSA = x_BSD @ w_kv_a_DA
         kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
         k_rope_BS1P = group.gather_rows(kv_a_BSA[..., None, kv_rank:])
-        kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK)
+        kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK, fp8)
         k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
 
         q_rope_BSHP = apply_rope(q_rope_BSHP, cos_BSP2, sin_BSP2)
@@ -104,28 +105,30 @@ class MLAttention(nn.Module):
         # bytes, and what the backward needs)
         out_BSHO = checkpoint_name(out_BSHO, "attention_out")
         # my rows, every head (and the node's rows' maxima of every head for QK-clip)
-        out_BSD = _rows_home_projected(group, out_BSHO, w_o_HOD)
+        out_BSD = _rows_home_projected(group, out_BSHO, w_o_HOD, fp8)
         logit_max_H = None if logit_max_H is None else group.all_heads(logit_max_H)
         return (out_BSD, logit_max_H) if self.report_logit_max else out_BSD
 
 
-def _node_heads(group: comm.AttentionGroup, latent_BSX, w_XHK):
+def _node_heads(group: comm.AttentionGroup, latent_BSX, w_XHK, fp8: str):
     """The node's rows' latents by this GPU's heads' up-projection [B·size, S, H/size, K]."""
     if group.size == 1:
-        return jnp.einsum("bsx,xhk->bshk", latent_BSX, w_XHK)
+        return fp8_linear.einsum("bsx,xhk->bshk", latent_BSX, w_XHK, fp8)
     # the gathered latents are w's gradient's operand: gathered again in the backward
     # (nothing saved but this device's latents), not kept through the layer's backward
-    return jax.checkpoint(lambda x, w: jnp.einsum("bsx,xhk->bshk", group.gather_rows(x), w),
+    return jax.checkpoint(lambda x, w: fp8_linear.einsum("bsx,xhk->bshk", group.gather_rows(x),
+                                                         w, fp8),
                           policy=jax.checkpoint_policies.nothing_saveable)(latent_BSX, w_XHK)
 
 
-def _rows_home_projected(group: comm.AttentionGroup, out_BSHO, w_o_HOD):
+def _rows_home_projected(group: comm.AttentionGroup, out_BSHO, w_o_HOD, fp8: str):
     """Outputs of the node's rows × my heads → my rows × all heads, then `w_o` [B, S, D]."""
     if group.size == 1:
-        return jnp.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD)
+        return fp8_linear.einsum("bsho,hod->bsd", out_BSHO, w_o_HOD, fp8)
     # recomputed in the backward from the kernel's own residual: the exchanged copy of
     # the output is not kept for w_o's gradient (one more all-to-all, 1 GB less HBM)
-    return jax.checkpoint(lambda o, w: jnp.einsum("bsho,hod->bsd", group.rows_home(o), w),
+    return jax.checkpoint(lambda o, w: fp8_linear.einsum("bsho,hod->bsd", group.rows_home(o),
+                                                         w, fp8),
                           policy=jax.checkpoint_policies.nothing_saveable)(out_BSHO, w_o_HOD)
 
 

@@ -30,11 +30,12 @@ it). The kernels (`model.grouped_matmul`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from europa_jax.model import expert_windows, kernels
+from europa_jax.model import expert_windows, fp8_linear, kernels
 from europa_jax.model.expert_windows import Windows, windowed_experts
 
 BLOCK_ROWS = 256
@@ -42,7 +43,7 @@ BLOCK_ROWS = 256
 
 def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                           impl: str, block_rows: int = BLOCK_ROWS, groups: int = 1,
-                          window: int | None = None):
+                          window: int | None = None, fp8: str = "none"):
     """Σ_u weight·expert_u(row) for rows whose choices index *these* experts (−1 = none),
     differentiable.
 
@@ -50,7 +51,8 @@ def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_
     library kernels, summed in float32) and the copies per expert [E]. `blocked` works
     from integer index arithmetic only: which row and which copy fill each block's slots
     (`BlockLayout`). The library kernels visit the experts `groups` at a time in windows
-    of `window` copies (expert_windows.py; default: one window of every copy).
+    of `window` copies (expert_windows.py; default: one window of every copy). `fp8`:
+    `model.fp8_expert_gemms` (the blocked kernel only).
     """
     r, u = experts_RU.shape
     if impl != "blocked":
@@ -58,7 +60,7 @@ def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_
                                 impl=impl, groups=groups, window=window or r * u)
     layout = _blocked_layout(experts_RU, w_gate_EDF.shape[0], block_rows)
     y_RD = blocked_experts(x_RD, weights_RU.reshape(-1), w_gate_EDF, w_up_EDF, w_down_EFD,
-                           *layout[1:])
+                           *layout[1:], fp8)
     return y_RD, layout[0]
 
 
@@ -70,6 +72,7 @@ class LocalExperts:
     impl: str
     block_rows: int = BLOCK_ROWS
     windows: Windows | None = None
+    fp8: str = "none"  # `model.fp8_expert_gemms` (the blocked kernel only)
 
 
 def local_forward(x_RD, experts_RU, gates_RU, weights, how: LocalExperts):
@@ -79,7 +82,8 @@ def local_forward(x_RD, experts_RU, gates_RU, weights, how: LocalExperts):
     if how.impl != "blocked":
         return expert_windows.forward(x_RD, experts_RU, gates_RU, weights, how.windows)
     sizes_E, *layout = _blocked_layout(experts_RU, weights[0].shape[0], how.block_rows)
-    y_RD, residuals = _blocked_experts_fwd(x_RD, gates_RU.reshape(-1), *weights, *layout)
+    y_RD, residuals = _blocked_experts_fwd(x_RD, gates_RU.reshape(-1), *weights, *layout,
+                                           how.fp8)
     return y_RD, sizes_E, residuals
 
 
@@ -87,7 +91,8 @@ def local_backward(residuals, dy_RD, gates_shape, how: LocalExperts):
     """(d rows [R, D], d gates float32 `gates_shape`, d weights) of `local_forward`."""
     if how.impl != "blocked":
         return expert_windows.backward(residuals, dy_RD, how.windows)
-    dx_RD, d_gates_M, *dw = _blocked_experts_bwd(residuals, dy_RD.astype(jnp.float32))[:5]
+    dx_RD, d_gates_M, *dw = _blocked_experts_bwd(residuals, dy_RD.astype(jnp.float32),
+                                                 how.fp8)[:5]
     return dx_RD, d_gates_M.astype(jnp.float32).reshape(gates_shape), tuple(dw)
 
 
@@ -134,7 +139,7 @@ def grouped_swiglu(x_MD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, *, imp
         jnp.arange(m, dtype=jnp.int32), mode="drop")
     ones_M = jnp.ones(m, jnp.float32)  # each row is one copy, of weight 1
     return blocked_experts(x_MD, ones_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, row_S,
-                           layout.block_expert_X, layout.used_blocks).astype(x_MD.dtype)
+                           layout.block_expert_X, layout.used_blocks, "none").astype(x_MD.dtype)
 
 
 def _ragged_matmul(impl: str, group_sizes_E):
@@ -171,9 +176,9 @@ class BlockLayout:
         return cls(y, n_blocks, padded_end_E - padded_E, block_expert_X, padded_end_E[-1] // y)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def blocked_experts(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, copy_S,
-                    block_expert_X, used_blocks):
+                    block_expert_X, used_blocks, fp8):
     """Σ over copies of weight·SwiGLU_expert(row): [R, D] float32.
 
     Slot s of the block layout holds copy `copy_S[s]` (its gate weight `weights_M[copy]`)
@@ -181,15 +186,26 @@ def blocked_experts(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, co
     hold copies are visited — a loop with a run-time trip count — and each gathers its
     rows, multiplies them by its expert's matrices and adds the weighted outputs into its
     rows: nothing is sized by the worst-case number of copies but the integer indices.
+    `fp8` ("none" or "block", model.fp8_expert_gemms): every GEMM of the forward and the
+    backward in DeepSeek-V3's FP8, emulated (fp8_linear.py), each block's rows its tiles.
     """
     return _blocked_experts_fwd(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S,
-                                copy_S, block_expert_X, used_blocks)[0]
+                                copy_S, block_expert_X, used_blocks, fp8)[0]
 
 
-def _swiglu(x_YD, w_gate_DF, w_up_DF, w_down_FD):
-    gate_YF, up_YF = x_YD @ w_gate_DF, x_YD @ w_up_DF
+def _swiglu(x_YD, w_gate_DF, w_up_DF, w_down_FD, fp8: str):
+    gate_YF = fp8_linear.matmul(x_YD, w_gate_DF, fp8)
+    up_YF = fp8_linear.matmul(x_YD, w_up_DF, fp8)
     hidden_YF = jax.nn.silu(gate_YF) * up_YF
-    return hidden_YF @ w_down_FD, (gate_YF, up_YF, hidden_YF)
+    return fp8_linear.matmul(hidden_YF, w_down_FD, fp8), (gate_YF, up_YF, hidden_YF)
+
+
+def _grad_input(g_YN, w_KN, fp8: str):
+    return g_YN @ w_KN.T if fp8 == "none" else fp8_linear.grad_input(g_YN, w_KN, fp8)
+
+
+def _grad_weight(x_YK, g_YN, fp8: str):
+    return x_YK.T @ g_YN if fp8 == "none" else fp8_linear.grad_weight(x_YK, g_YN, fp8)
 
 
 def _block(n, row_S, copy_S, block_expert_X, y: int):
@@ -200,14 +216,14 @@ def _block(n, row_S, copy_S, block_expert_X, y: int):
 
 
 def _blocked_experts_fwd(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, copy_S,
-                         block_expert_X, used_blocks):
+                         block_expert_X, used_blocks, fp8):
     y = row_S.shape[0] // block_expert_X.shape[0]
 
     def add_block(n, y_RD):
         rows_Y, copies_Y, e = _block(n, row_S, copy_S, block_expert_X, y)
         x_YD = x_RD.at[rows_Y].get(mode="fill", fill_value=0)
         gates_Y = weights_M.at[copies_Y].get(mode="fill", fill_value=0)
-        out_YD, _ = _swiglu(x_YD, w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e])
+        out_YD, _ = _swiglu(x_YD, w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e], fp8)
         return y_RD.at[rows_Y].add(out_YD.astype(jnp.float32) * gates_Y[:, None], mode="drop")
 
     y_RD = jax.lax.fori_loop(0, used_blocks, add_block,
@@ -217,7 +233,7 @@ def _blocked_experts_fwd(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_
                   block_expert_X, used_blocks)
 
 
-def _blocked_experts_bwd(residuals, dy_RD):
+def _blocked_experts_bwd(residuals, dy_RD, fp8):
     x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, copy_S, block_expert_X, \
         used_blocks = residuals
     y = row_S.shape[0] // block_expert_X.shape[0]
@@ -230,18 +246,20 @@ def _blocked_experts_bwd(residuals, dy_RD):
         x_YD = x_RD.at[rows_Y].get(mode="fill", fill_value=0)
         gates_Y = weights_M.at[copies_Y].get(mode="fill", fill_value=0)
         dy_YD = dy_RD.at[rows_Y].get(mode="fill", fill_value=0)
-        out_YD, (gate_YF, up_YF, hidden_YF) = _swiglu(x_YD, w_gate_DF, w_up_DF, w_down_FD)
+        out_YD, (gate_YF, up_YF, hidden_YF) = _swiglu(x_YD, w_gate_DF, w_up_DF, w_down_FD,
+                                                      fp8)
         # the gate weight's gradient: the copy's output against its row's cotangent
         d_weights_M = d_weights_M.at[copies_Y].set(
             jnp.sum(out_YD.astype(jnp.float32) * dy_YD, axis=-1), mode="drop")
         d_out_YD = (dy_YD * gates_Y[:, None]).astype(dt)
-        d_hidden_YF = d_out_YD @ w_down_FD.T
+        d_hidden_YF = _grad_input(d_out_YD, w_down_FD, fp8)
         sig_YF = jax.nn.sigmoid(gate_YF)
         d_up_YF = d_hidden_YF * gate_YF * sig_YF
         d_gate_YF = d_hidden_YF * up_YF * sig_YF * (1 + gate_YF * (1 - sig_YF))  # silu'
-        dx_YD = d_gate_YF @ w_gate_DF.T + d_up_YF @ w_up_DF.T
+        dx_YD = _grad_input(d_gate_YF, w_gate_DF, fp8) + _grad_input(d_up_YF, w_up_DF, fp8)
         dx_RD = dx_RD.at[rows_Y].add(dx_YD.astype(jnp.float32), mode="drop")
-        parts = (x_YD.T @ d_gate_YF, x_YD.T @ d_up_YF, hidden_YF.T @ d_out_YD)
+        parts = (_grad_weight(x_YD, d_gate_YF, fp8), _grad_weight(x_YD, d_up_YF, fp8),
+                 _grad_weight(hidden_YF, d_out_YD, fp8))
         # into expert e's slice of the float32 accumulators, in place (no per-block copy)
         dw = tuple(jax.lax.dynamic_update_index_in_dim(
             acc, jax.lax.dynamic_index_in_dim(acc, e, keepdims=False) + part, e, 0)
@@ -256,4 +274,5 @@ def _blocked_experts_bwd(residuals, dy_RD):
             *(g.astype(w.dtype) for g, w in zip(dw, weights)), None, None, None, None)
 
 
-blocked_experts.defvjp(_blocked_experts_fwd, _blocked_experts_bwd)
+blocked_experts.defvjp(_blocked_experts_fwd,
+                       lambda fp8, residuals, dy_RD: _blocked_experts_bwd(residuals, dy_RD, fp8))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig, RopeScalingConfig
+from europa_jax.model import fp8_linear
 from europa_jax.parallel import comm, layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -98,9 +99,13 @@ class SwiGLU(nn.Module):
         w_gate_DF = weight(self, "w_gate")
         w_up_DF = weight(self, "w_up")
         w_down_FD = weight(self, "w_down")
-        gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
-        up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
-        return jnp.einsum("bsf,fd->bsd", nn.silu(gate_BSF) * up_BSF, w_down_FD)
+        fp8 = self.cfg.fp8_gemms
+        if fp8 == "none":
+            gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
+            up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)
+            return jnp.einsum("bsf,fd->bsd", nn.silu(gate_BSF) * up_BSF, w_down_FD)
+        gate_BSF, up_BSF = fp8_linear.matmuls_of_one_input(x_BSD, (w_gate_DF, w_up_DF), fp8)
+        return fp8_linear.matmul(nn.silu(gate_BSF) * up_BSF, w_down_FD, fp8)
 
 
 # ----------------------------------------------------------------------------- rotary

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax.config import ModelConfig
+from europa_jax.config import ConfigError, ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.expert_matmul import LocalExperts
 from europa_jax.model.expert_windows import Windows
@@ -99,7 +99,11 @@ def local_experts(t: int, cfg: ModelConfig, e_local: int) -> LocalExperts:
     """How this device's experts run for t local tokens (the kernel of the platform)."""
     impl = kernels.grouped_matmul_impl(cfg)
     if impl == "blocked":
-        return LocalExperts(impl)
+        return LocalExperts(impl, fp8=cfg.fp8_expert_gemms)
+    if cfg.fp8_expert_gemms != "none":
+        raise ConfigError(f"model.fp8_expert_gemms: {cfg.fp8_expert_gemms!r} runs with the "
+                          f"`blocked` expert kernel only, not {impl!r}: no FP8 grouped GEMM "
+                          "with block scales exists for it (docs/open-questions.md)")
     groups = expert_groups(t, cfg, e_local)
     return LocalExperts(impl, windows=Windows(impl, groups, expert_window_rows(t, cfg, groups)))
 

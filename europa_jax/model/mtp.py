@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model import lm_head
+from europa_jax.model import fp8_linear, lm_head
 from europa_jax.model.block import block_layers, under_policy
 from europa_jax.model.layers import RMSNorm, weight
 
@@ -50,7 +50,8 @@ class MTPBlock(nn.Module):
         cfg = self.cfg
         joined_BSJ = jnp.concatenate([RMSNorm(cfg, name="enorm")(embedding_VD[next_tokens_BS]),
                                       RMSNorm(cfg, name="hnorm")(h_BSD)], axis=-1)
-        x_BSD = jnp.einsum("bsj,jd->bsd", joined_BSJ, weight(self, "eh_proj"))
+        x_BSD = fp8_linear.einsum("bsj,jd->bsd", joined_BSJ, weight(self, "eh_proj"),
+                                  cfg.fp8_gemms)
         x_BSD, stats = block_layers(cfg, True, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
                                     router_bias_E, tokens_BS)
         nll_BS = lm_head.token_nll(RMSNorm(cfg, name="head_norm")(x_BSD), head_DV, targets_BS,

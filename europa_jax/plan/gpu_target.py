@@ -114,6 +114,14 @@ class ToolchainError(ConfigError):
     """The GPU compile toolchain is not installed (one line, names the extra; exit 2)."""
 
 
+# The CUDA runtime a rank loads: `pip install 'jax[cuda12]'` on a GPU node (pyproject.toml's
+# gpu extra) takes the newest CUDA 12 wheels, 12.9. The compiler reads the version from the
+# target: without it XLA takes the toolkit to be version 0 and silently compiles every FP8
+# dot as an FP16 GEMM ("FP8 Custom Calls require CUDA 12.0 or newer"; found compiling
+# model.fp8_gemms, tests/test_fp8_linear.py).
+CUDA_RUNTIME = (12, 9)
+
+
 def target_config(target: GpuTarget) -> str:
     """The target as a `GpuTargetConfigProto` in text format (Hopper limits, sm_90a)."""
     return f"""gpu_device_info {{
@@ -139,6 +147,7 @@ def target_config(target: GpuTarget) -> str:
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} patch: 0 }}
 device_description_str: "{target.name}"
 """
 

@@ -15,7 +15,7 @@ Peaks:
         NVLink 4 between every pair of GPUs, 300 GB/s per pair (150 GB/s per direction);
         4× InfiniBand NDR200 (ConnectX-7) per node; GH200 TDP 680 W.
 [h100]  NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
-        2:4 sparsity), 495 dense TF32, 67 FP32 (no tensor cores); the GH200 datasheet lists
+        2:4 sparsity), 1,979 dense FP8, 495 dense TF32, 67 FP32 (no tensor cores); the GH200 datasheet lists
         the same Hopper GPU.
 [tf32]  docs.jax.dev "Matmul precision": float32 dots at the default precision may run in
         TF32 on recent GPUs; the optimized GPU program states each cuBLAS call's operand
@@ -30,6 +30,10 @@ Efficiencies (H100 SXM unless noted; % of the peak above):
         PyTorch 2.7): BF16 square 1024³ 17.9 %, 2048³ 68.4 %, 4096³ 79.7 %, 8192³ 80.6 %.
 [vllm]  vLLM pull request 49363 (H100, cuBLAS BF16, N 12288, K 5376): M=64 18.5 %,
         M=128 35.6 % — a skinny GEMM falls off a cliff.
+[cublasfp8] A cuBLASLt FP8 GEMM benchmark (e4m3 in, BF16 out, FP32 accumulation, TN,
+        8192³; gitea.d-robotics.cc han.zhao/test_gpu_scripts,
+        reports_cublaslt_fp8_crosscheck_20260524.md): 1,599–1,630 TFLOP/s on 16 Hopper
+        GPUs (81–82 % of 1,979; the report names no model).
 [deepgemm] github.com/deepseek-ai/DeepGEMM, README of 2025-03-25: FP8 on H800 (same SMs
         and HBM as H100), % of the FP8 peak: dense 4096×7168×2048 59 %, ×512 38 %; grouped,
         contiguous 4,096–8,192 rows per group 61–68 %; masked 1,024 rows 47–62 %, 256 rows
@@ -180,6 +184,12 @@ class Hardware:
     # and plain FP32 (HIGHEST) [h100], [tf32].
     tf32_per_bf16: float = 0.5
     fp32_per_bf16: float = 67.0 / 989.0
+    # A cuBLASLt FP8 GEMM (model.fp8_gemms: tensor) over a BF16 one of the same shape: the
+    # FP8 peak is 2× BF16's [h100]; what kernels reach of it runs from [deepgemm]'s dense
+    # 59 % of the FP8 peak at 4096×7168×2048 (against BF16's ~80 % at 4096³ [sweep]: 1.48×)
+    # to [cublasfp8]'s 81 % at 8192³ (2.0×). Its quantization passes are memory-bound
+    # kernels of their own in the program, priced as such.
+    fp8_per_bf16: float = 1.6
     # What the compute stream loses per kernel launch and per trip of a loop whose trip
     # count is data (step_time.py's chain lines).
     launch_gap: Overhead = Overhead(low=4e-6, expected=2e-6, high=1e-6, source=(

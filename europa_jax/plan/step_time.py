@@ -117,9 +117,9 @@ def attention_flops(pairs_per_gpu: float, *, heads: int, d_qk: int, d_v: int, la
 
 
 def peak_share(hw: Hardware, math: str) -> float:
-    """A GEMM's FLOP peak over BF16's for the math it runs in (kernel_classes.gemm_math;
-    FP8 GEMMs priced at BF16's until measured)."""
-    return {"tf32": hw.tf32_per_bf16, "fp32": hw.fp32_per_bf16}.get(math, 1.0)
+    """A GEMM's speed over BF16's for the math it runs in (kernel_classes.gemm_math)."""
+    return {"tf32": hw.tf32_per_bf16, "fp32": hw.fp32_per_bf16,
+            "fp8": hw.fp8_per_bf16}.get(math, 1.0)
 
 
 def gemm_seconds(rows, curve, hw: Hardware, case: str, *, math: bool = True) -> list[float]:
