@@ -197,3 +197,19 @@ def first_batch_and_initial_state(cfg):
     with jax.set_mesh(trainer.mesh):
         _, batch = next(iter(loop.device_batches(trainer, loop.host_batch_iterator(cfg))))
     return batch, train.init_state(trainer, seed=0)
+
+
+def gh200_program_text(fn, *args) -> str:
+    """The optimized HLO of `jax.jit(fn)` on `args` (shapes) compiled for 4 GH200s of one
+    node, replicated (plan/gpu_target.py): what a GPU would run, compiled without one."""
+    import jax
+    import numpy as np
+
+    from europa_jax.plan import gpu_target
+
+    devices = gpu_target.topology(gpu_target.TARGETS["gh200"], 4)
+    mesh = jax.sharding.Mesh(np.array(devices), ("gpus",))
+    with gpu_target.lowering(mesh):
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        lowered = jax.jit(fn, in_shardings=replicated).lower(*args)
+        return gpu_target.compile_lowered(lowered, mesh).as_text()

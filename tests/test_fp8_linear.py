@@ -4,7 +4,6 @@ forward and backward; the tensor mode's operands are e4m3/e5m2 values times a po
 and the GH200 program runs them as cuBLASLt FP8 GEMMs; the model trains through both."""
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +14,12 @@ from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.model import fp8_gemm, fp8_linear, moe
 from europa_jax.model.layers import SwiGLU
-from europa_jax.plan import gpu_target, kernel_classes
-from conftest import config_path, first_batch_and_initial_state, objective_gradients
+from europa_jax.plan import kernel_classes
+from conftest import (config_path, first_batch_and_initial_state, gh200_program_text,
+                      objective_gradients)
 from test_fp8_gemm import operands
+from test_gpu_target import needs_toolchain
 
-MISSING = gpu_target.missing_toolchain()
-if MISSING and os.environ.get("EUROPA_JAX_REQUIRE_GPU_COMPILE") == "1":
-    raise RuntimeError(f"the GPU compile toolchain is required here; missing: {MISSING}")
-needs_toolchain = pytest.mark.skipif(bool(MISSING), reason=f"gpu extra missing: {MISSING}")
 
 
 def relative(a, b):
@@ -149,13 +146,7 @@ def swiglu_gemm_targets(mode: str) -> list[str]:
         # quantization away, and nothing would need the forward's last GEMM)
         return jnp.square(mlp.apply(params, x).astype(jnp.float32)).sum()
 
-    devices = gpu_target.topology(gpu_target.TARGETS["gh200"], 4)
-    mesh = jax.sharding.Mesh(np.array(devices), ("gpus",))
-    with gpu_target.lowering(mesh):
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=replicated).lower(
-            params, x)
-        text = gpu_target.compile_lowered(lowered, mesh).as_text()
+    text = gh200_program_text(jax.grad(loss, argnums=(0, 1)), params, x)
     return [kernel_classes._target(line) for line in text.splitlines()
             if "__cublas" in kernel_classes._target(line)]
 
