@@ -52,7 +52,7 @@ LONGEST_FILES = ("test_checkpoint.py", "test_gpu_target.py", "test_qk_clip.py", 
                  "test_slurm.py", "test_plan.py", "test_gpu_check.py", "test_gpu_step_classes.py",
                  "test_sample.py", "test_downstream_eval.py", "test_trackers.py",
                  "test_resilience.py", "test_watch.py", "test_launch_local.py",
-                 "test_gpu_smoke.py", "test_gpu_interpreter.py")
+                 "test_gpu_smoke.py", "test_gpu_interpreter.py", "test_fp8_linear.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,21 +17,49 @@ def step(loss, grad_norm=1.0, finite=True):
     return {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
+class Steps:
+    """A guard fed numbered steps: `steps(loss, …)` checks the next one."""
+
+    def __init__(self, guard):
+        self.guard, self.n = guard, 0
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self.guard.check(self.n, step(*args, **kwargs))
+
+
 def test_a_spike_is_judged_against_the_healthy_steps_before_it():
     guard = spikes.SpikeGuard(CheckpointConfig(spike_window=16), vocab_size=257)
+    check = Steps(guard)
     uniform = math.log(257)
     # before MIN_HISTORY healthy steps: only twice a uniform prediction's loss is a spike
-    assert guard.check(step(1.9 * uniform)) is None
-    assert "ln(vocab)" in guard.check(step(2.1 * uniform))
-    assert guard.check(step(float("nan"), finite=False)) is None  # guards.py's, not ours
+    assert check(1.9 * uniform) is None
+    assert "ln(vocab)" in check(2.1 * uniform)
+    assert check(float("nan"), finite=False) is None  # guards.py's, not ours
     for i in range(20):
-        assert guard.check(step(3.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 2))) is None
+        assert check(3.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 2)) is None
     assert len(guard.window) == 16  # the last spike_window healthy steps
-    assert guard.check(step(3.05)) is None  # within the floor of 10 % over the mean
-    why = guard.check(step(4.0))
+    assert check(3.05) is None  # within the floor of 10 % over the mean
+    why = check(4.0)
     assert why.startswith("loss 4 > ") and "6σ of the last 16 steps" in why
-    assert guard.check(step(3.0, grad_norm=50.0)).startswith("grad_norm 50 > ")
+    assert check(3.0, grad_norm=50.0).startswith("grad_norm 50 > ")
     assert len(guard.window) == 17 - 1  # spikes do not join the window
+
+
+def test_after_a_rollback_the_window_holds_only_the_restored_weights_steps():
+    """A spike at step 285 of a run that never saved rolls back to the initial weights;
+    the trained steps' window must go with them, or the first step's loss (5.6 against a
+    trained 2.3) is a spike, and so on until the run stops (found in a run with
+    checkpoint.every_steps: 0)."""
+    guard = spikes.SpikeGuard(CheckpointConfig(spike_window=128), vocab_size=257)
+    for n in range(1, 285):
+        assert guard.check(n, step(2.3 + 0.05 * (n % 4), 0.8)) is None
+    assert guard.check(285, step(2.3, grad_norm=3.1)).startswith("grad_norm")
+    guard.restored(200)  # back to a checkpoint of step 200: steps 201… leave
+    assert [row[0] for row in guard.window] == list(range(157, 201))  # of the last 128
+    guard.restored(0)  # back to the initial weights: nothing is left to judge by
+    assert not guard.window
+    assert guard.check(1, step(5.6, 8.0)) is None  # an untrained model's first step
 
 
 def test_rollbacks_without_a_save_between_them_stop_the_run():

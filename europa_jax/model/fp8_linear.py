@@ -44,14 +44,18 @@ MODES = ("none", "tensor", "block")
 
 def _tensor_qdq(x: jax.Array, fmt, dtype) -> jax.Array:
     """x rounded to `fmt` under one power-of-two scale, in `dtype` (written as XLA's FP8
-    GEMM rewrite matches it: convert(f8) × the scale, both in the GEMM's input dtype)."""
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32))
+    GEMM rewrite matches it: convert(f8) × the scale, both in the GEMM's input dtype).
+
+    All in x's own dtype: dividing by a power of two is exact there, so the one rounding
+    is to `fmt`, as from float32 — and no float32 copy of a [tokens, width] operand is
+    made (at europa-952b's shapes such copies cost 8.7 GB of HBM; docs/open-questions.md).
+    """
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     fmax = FORMAT_MAX[fmt]
     # the smallest power of two that brings amax inside the format; the clip keeps a log2
     # rounded down from overflowing (e4m3fn has no infinity: past 448 is NaN)
     scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / fmax))), 1.0)
-    q = jnp.clip(x32 / scale, -fmax, fmax).astype(fmt)
+    q = jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(fmt)
     return q.astype(dtype) * scale.astype(dtype)
 
 
@@ -132,6 +136,9 @@ def _fp8_matmul_fwd(x_MK, w_KN, mode):
 
 def _fp8_matmul_bwd(mode, saved, g_MN):
     x_MK, w_KN = saved
+    # the gradient in the operands' dtype before it is quantized (to 3 mantissa bits at
+    # most): a float32 [tokens, width] cotangent would be quantized through float32 copies
+    g_MN = g_MN.astype(x_MK.dtype)
     return (grad_input(g_MN, w_KN, mode).astype(x_MK.dtype),
             grad_weight(x_MK, g_MN, mode).astype(w_KN.dtype))
 

@@ -239,7 +239,7 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 progress(step, metrics)
                 first = False
                 guard.check(done, metrics, events)  # raises NonFiniteStop: nothing saved
-                why = spikes.check(metrics)
+                why = spikes.check(done, metrics)
                 if why is not None:  # its update is in `state`: back to the last save
                     state = None  # freed before the restore allocates another
                     state, step = _roll_back(ckpt, saves, spikes, trainer, cfg, events,
@@ -327,6 +327,7 @@ def _roll_back(ckpt, saves, spikes: SpikeGuard, trainer, cfg: Config, events: Ev
            + (f"the checkpoint of step {target}" if restored else "the initial weights")
            + f"; training goes on with the batches after step {done}'s",
            level=logging.WARNING, step=done, reason=why, rolled_back_to=target)
+    spikes.restored(target)
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     return state, target
 

@@ -50,16 +50,25 @@ class SpikeGuard:
     def enabled(self) -> bool:
         return self.cfg.spike_window > 0
 
-    def check(self, metrics: dict) -> str | None:
-        """Why this step is a spike, or None (a healthy step joins the window). Non-finite
+    def check(self, step: int, metrics: dict) -> str | None:
+        """Why step `step` is a spike, or None (a healthy step joins the window). Non-finite
         steps are guards.py's and are not looked at."""
         if not self.enabled or not bool(metrics["finite"]):
             return None
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         why = self._why(loss, grad_norm)
         if why is None:
-            self.window.append((loss, grad_norm))
+            self.window.append((step, loss, grad_norm))
         return why
+
+    def restored(self, step: int) -> None:
+        """The weights are step `step`'s again: the steps after it leave the window. They
+        describe weights that no longer exist — after a rollback to the initial weights,
+        a trained model's losses would call the first step's a spike, and again after
+        every rollback, until the run stopped."""
+        kept = [row for row in self.window if row[0] <= step]
+        self.window.clear()
+        self.window.extend(kept)
 
     def _why(self, loss: float, grad_norm: float) -> str | None:
         if len(self.window) < MIN_HISTORY:
@@ -68,7 +77,7 @@ class SpikeGuard:
                 return (f"loss {loss:.4g} > {SPIKE_OVER_UNIFORM:g} × ln(vocab) = {limit:.4g} "
                         "(twice a uniform prediction's loss)")
             return None
-        for name, value, column in (("loss", loss, 0), ("grad_norm", grad_norm, 1)):
+        for name, value, column in (("loss", loss, 1), ("grad_norm", grad_norm, 2)):
             values = [row[column] for row in self.window]
             mean = sum(values) / len(values)
             sigma = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
