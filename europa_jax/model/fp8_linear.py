@@ -19,7 +19,8 @@ operands rounded to FP8 and scaled back ("quantize-dequantize"), with the scales
   these scales, so on a GPU this mode is a numerics study, slower than BF16.
 
 The forward keeps x and w (unquantized) for the backward, which quantizes each operand
-along the contraction of the GEMM it enters. The product comes back in x's dtype.
+along the contraction of the GEMM it enters. The product comes back in w's dtype (the
+compute dtype; x is cast to it first).
 Shape suffixes (europa_jax/__init__.py): M rows, K contraction, N outputs.
 """
 
@@ -47,15 +48,16 @@ def _tensor_qdq(x: jax.Array, fmt, dtype) -> jax.Array:
     GEMM rewrite matches it: convert(f8) × the scale, both in the GEMM's input dtype).
 
     All in x's own dtype: dividing by a power of two is exact there, so the one rounding
-    is to `fmt`, as from float32 — and no float32 copy of a [tokens, width] operand is
-    made (at europa-952b's shapes such copies cost 8.7 GB of HBM; docs/open-questions.md).
+    is to `fmt`, as from float32, and no float32 copy of the operand is made.
     """
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     fmax = FORMAT_MAX[fmt]
-    # the smallest power of two that brings amax inside the format; the clip keeps a log2
-    # rounded down from overflowing (e4m3fn has no infinity: past 448 is NaN)
+    # the smallest power of two that brings amax inside the format (doubled where log2
+    # rounded down: e4m3fn has no infinity, past 448 is NaN) — scalar work, so the
+    # operand's own pass is one divide and convert, which XLA fuses
     scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / fmax))), 1.0)
-    q = jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(fmt)
+    scale = jnp.where(amax / scale > fmax, 2 * scale, scale)
+    q = (x / scale.astype(x.dtype)).astype(fmt)
     return q.astype(dtype) * scale.astype(dtype)
 
 
@@ -127,20 +129,25 @@ def matmul(x_AK: jax.Array, w_KN: jax.Array, mode: str) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, mode: str) -> jax.Array:
-    return forward(x_MK, w_KN, mode)
+    return _fp8_matmul_fwd(x_MK, w_KN, mode)[0]
 
 
 def _fp8_matmul_fwd(x_MK, w_KN, mode):
-    return forward(x_MK, w_KN, mode), (x_MK, w_KN)
+    # Operands and result in the weight's (compute) dtype, as a cuBLASLt FP8 GEMM writes
+    # BF16: FP8 keeps 3 mantissa bits of a float32 input as of a bf16 one, and a float32
+    # result (what x · w gives for a float32 x) would bring its float32 gradient back to
+    # be quantized — through float32 copies of [tokens, width] operands, which XLA keeps
+    # at europa-952b's shapes (docs/open-questions.md).
+    x_c_MK = x_MK.astype(w_KN.dtype)
+    # (an empty array carries x's dtype: residuals must be arrays)
+    return forward(x_c_MK, w_KN, mode), (x_c_MK, w_KN, jnp.zeros((0,), x_MK.dtype))
 
 
 def _fp8_matmul_bwd(mode, saved, g_MN):
-    x_MK, w_KN = saved
-    # the gradient in the operands' dtype before it is quantized (to 3 mantissa bits at
-    # most): a float32 [tokens, width] cotangent would be quantized through float32 copies
-    g_MN = g_MN.astype(x_MK.dtype)
-    return (grad_input(g_MN, w_KN, mode).astype(x_MK.dtype),
-            grad_weight(x_MK, g_MN, mode).astype(w_KN.dtype))
+    x_c_MK, w_KN, x_dtype_0 = saved
+    g_MN = g_MN.astype(w_KN.dtype)  # so is the gradient (see _fp8_matmul_fwd)
+    return (grad_input(g_MN, w_KN, mode).astype(x_dtype_0.dtype),
+            grad_weight(x_c_MK, g_MN, mode).astype(w_KN.dtype))
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
