@@ -6,7 +6,7 @@ The spread between seeds of one arm is the noise the gap between arms is read ag
         --arm bf16 model.compute_dtype=bfloat16 \
         --arm fp8-blocks model.compute_dtype=bfloat16 model.fp8_gemms=block \
         [--config configs/small-cpu.yaml] [--set KEY=VALUE ...] [--plot docs/x.png] \
-        [--title TEXT] [--json OUT]
+        [--title TEXT] [--also METRIC ...] [--json OUT]
 
 `train.seed` is what the seeds change (the initial weights); the batches are the same in
 every run. A run whose directory already holds its last step is read, not retrained, so
@@ -49,7 +49,7 @@ def train(run_dir: Path, config: str, sets: list[str], steps: int) -> None:
     subprocess.run(command, cwd=REPO, check=True)
 
 
-def summarize(runs: dict[str, dict[int, Path]], tail: int) -> dict:
+def summarize(runs: dict[str, dict[int, Path]], tail: int, also: list[str]) -> dict:
     per_run, per_arm = {}, {}
     for arm, by_seed in runs.items():
         finals, tails = [], []
@@ -57,9 +57,11 @@ def summarize(runs: dict[str, dict[int, Path]], tail: int) -> dict:
             train_records, val_records = read_records(run_dir)
             tail_loss = statistics.fmean(r["loss"] for r in train_records[-tail:])
             val = {r["step"]: r["val_loss"] for r in val_records}
-            per_run[f"{arm}/seed{seed}"] = {"tail_train_loss": tail_loss,
-                                            "val_loss": val,
-                                            "steps": train_records[-1]["step"]}
+            per_run[f"{arm}/seed{seed}"] = {
+                "tail_train_loss": tail_loss, "val_loss": val,
+                "steps": train_records[-1]["step"],
+                **{f"tail_{key}": statistics.fmean(r[key] for r in train_records[-tail:])
+                   for key in also}}
             tails.append(tail_loss)
             if val:
                 finals.append(val[max(val)])
@@ -127,6 +129,9 @@ def parse_args(argv=None):
                         help="a setting of every run")
     parser.add_argument("--tail", type=int, default=50,
                         help="training steps averaged at the end of each run")
+    parser.add_argument("--also", nargs="*", default=[], metavar="METRIC",
+                        help="metrics.jsonl keys whose mean over the last --tail steps each "
+                             "run reports (e.g. expert_load_max_over_mean)")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--title", default="")
     parser.add_argument("--json", type=Path)
@@ -145,7 +150,7 @@ def main(argv=None) -> None:
             run_dir = args.out / f"{name}-seed{seed}"
             train(run_dir, args.config, args.set + sets + [f"train.seed={seed}"], args.steps)
             runs[name][seed] = run_dir
-    summary = summarize(runs, args.tail)
+    summary = summarize(runs, args.tail, args.also)
     summary["command"] = " ".join(["python", "benchmarks/twin_runs.py", *sys.argv[1:]])
     text = json.dumps(summary, indent=1)
     print(text)

@@ -57,7 +57,10 @@ def _tensor_qdq(x: jax.Array, fmt, dtype) -> jax.Array:
     # operand's own pass is one divide and convert, which XLA fuses
     scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / fmax))), 1.0)
     scale = jnp.where(amax / scale > fmax, 2 * scale, scale)
-    q = (x / scale.astype(x.dtype)).astype(fmt)
+    # The e4m3/e5m2 values are what is kept (1 byte each) for the GEMMs that take them
+    # (a gradient's two, in two layouts): without the barrier XLA kept float32 quotients
+    # instead, and europa-952b's HBM peak was 96.8 GB, not 87.2 (docs/open-questions.md).
+    q = jax.lax.optimization_barrier((x / scale.astype(x.dtype)).astype(fmt))
     return q.astype(dtype) * scale.astype(dtype)
 
 
@@ -135,9 +138,7 @@ def _fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, mode: str) -> jax.Array:
 def _fp8_matmul_fwd(x_MK, w_KN, mode):
     # Operands and result in the weight's (compute) dtype, as a cuBLASLt FP8 GEMM writes
     # BF16: FP8 keeps 3 mantissa bits of a float32 input as of a bf16 one, and a float32
-    # result (what x · w gives for a float32 x) would bring its float32 gradient back to
-    # be quantized — through float32 copies of [tokens, width] operands, which XLA keeps
-    # at europa-952b's shapes (docs/open-questions.md).
+    # result (what x · w gives for a float32 x) would bring a float32 gradient back.
     x_c_MK = x_MK.astype(w_KN.dtype)
     # (an empty array carries x's dtype: residuals must be arrays)
     return forward(x_c_MK, w_KN, mode), (x_c_MK, w_KN, jnp.zeros((0,), x_MK.dtype))
