@@ -37,7 +37,6 @@ from europa_jax.model import fp8_gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FORMAT_MAX = {E4M3: 448.0, E5M2: 57344.0}
-MODES = ("none", "tensor", "block")
 
 
 # ----------------------------------------------------------------------------- rounding
@@ -171,7 +170,6 @@ def matmuls_of_one_input(x_AK: jax.Array, ws_KN: tuple[jax.Array, ...], mode: st
     y_AN = matmul(x_AK, jnp.concatenate(ws_KN, axis=1), mode)
     ends = list(itertools.accumulate(w.shape[1] for w in ws_KN))
     return tuple(jnp.split(y_AN, ends[:-1], axis=-1))
-
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, mode: str) -> jax.Array:

@@ -15,8 +15,8 @@ Peaks:
         NVLink 4 between every pair of GPUs, 300 GB/s per pair (150 GB/s per direction);
         4× InfiniBand NDR200 (ConnectX-7) per node; GH200 TDP 680 W.
 [h100]  NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
-        2:4 sparsity), 1,979 dense FP8, 495 dense TF32, 67 FP32 (no tensor cores); the GH200 datasheet lists
-        the same Hopper GPU.
+        2:4 sparsity), 1,979 dense FP8, 495 dense TF32, 67 FP32 (no tensor cores); the
+        GH200 datasheet lists the same Hopper GPU.
 [tf32]  docs.jax.dev "Matmul precision": float32 dots at the default precision may run in
         TF32 on recent GPUs; the optimized GPU program states each cuBLAS call's operand
         precision (DEFAULT: TF32 for f32 operands; HIGHEST: full FP32).
