@@ -11,8 +11,9 @@ The mesh covers every process's devices, so on CPU each process creates only its
 `mesh.data × mesh.expert / processes`. Collectives between CPU processes go over gloo.
 
 A rank that dies or never arrives must end the job, not hang it: start-up waits at most
-`EUROPA_JAX_INIT_TIMEOUT_S` for every process, the coordination service ends the
-others when one misses heartbeats for `EUROPA_JAX_HEARTBEAT_TIMEOUT_S`, and a process
+`EUROPA_JAX_INIT_TIMEOUT_S` for every process, each process's peer watch ends it when
+another stops beating for half of `EUROPA_JAX_HEARTBEAT_TIMEOUT_S` (the coordination
+service's own timeout, whose route aborts), and a process
 whose collective failed (on CPU, a dead peer is noticed at once) exits without waiting
 for its peers in jax's shutdown barrier; a lost peer is one line and exit 75, the
 requeue code (peer_lost.py).
@@ -181,18 +182,24 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                  f"{launch.init_timeout_s} s for all ({ENV_INIT_TIMEOUT})")
         joining = time.perf_counter()
         try:
-            with peer_lost.reported_by_the_client():
-                jax.distributed.initialize(
-                    launch.coordinator, launch.num_processes, launch.process_id,
-                    local_device_ids=list(launch.local_device_ids) if launch.local_device_ids
-                    else None,
-                    initialization_timeout=launch.init_timeout_s,
-                    heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
+            jax.distributed.initialize(
+                launch.coordinator, launch.num_processes, launch.process_id,
+                local_device_ids=list(launch.local_device_ids) if launch.local_device_ids
+                else None,
+                initialization_timeout=launch.init_timeout_s,
+                heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
         except Exception as e:  # no coordinator address found, an unusable one, ...
             raise StartError(
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None
         sys.excepthook = _exit_at_once
+        peer_lost.watch_peers(coordination_client(), launch.process_id, launch.num_processes,
+                              launch.heartbeat_timeout_s)
+        if launch.process_id != 0:
+            from jax._src import distributed as jax_distributed
+
+            peer_lost.requeue_when_the_service_is_gone(
+                jax_distributed.global_state.coordinator_address)
         _joined["seconds"] = time.perf_counter() - joining
     check_device_count(mesh, jax.device_count(),
                        devices_source(launch, jax.local_device_count(), jax.devices()[0].platform))

@@ -1,19 +1,21 @@
 """A process of the job vanished: the survivors end in one line, a `peer_lost` event and
 exit 75, so that Slurm requeues the job and the retry resumes from the last checkpoint.
 
-A dead peer reaches a survivor one of two ways:
+A dead peer reaches a survivor one of three ways:
 - **a collective fails** in this process's step (gloo on CPU: `Connection reset by peer`
   within a second; NCCL on GPU: a remote or system error once its watchdog notices) and
   surfaces as a JaxRuntimeError in the main thread: `is_peer_loss` recognizes it and
   cli.py's `run_training` calls `exit_requeue`;
-- **the coordination service** stops hearing the peer's heartbeats
-  (`EUROPA_JAX_HEARTBEAT_TIMEOUT_S`) while this process waits elsewhere (a barrier, the
-  key-value store): jax's client would abort the process (SIGABRT, a C++ stack trace);
-  `reported_by_the_client` (distributed.py's initialize runs under it) gives it
-  `on_missed_heartbeat` instead. Not yet effective: jaxlib 0.12.0.1 takes the Python
-  callback but cannot call it (two processes, one killed: the survivor ends in
-  `std::bad_cast` when the service reports the loss), so this route still aborts; a
-  watchdog of our own is the fix still to make.
+- **a peer stops beating**: `PeerWatch`, a thread in every process, beats through the
+  coordination service's key-value store and reads the others' beats; a peer silent for
+  half of `EUROPA_JAX_HEARTBEAT_TIMEOUT_S` (before the service's own timeout, whose
+  route in jax aborts the process with a C++ stack trace) or a store that cannot be
+  reached (process 0 gone) is a loss. This catches a peer lost while this process waits
+  outside a collective (a barrier, the key-value store, a save) or in a collective that
+  never fails (NCCL without its watchdog);
+- **process 0 is gone**, and the coordination service with it: jax's client aborts every
+  other process at once, and `requeue_when_the_service_is_gone` turns that abort into the
+  same exit when the service no longer answers.
 
 Either way the process leaves with os._exit: a normal exit would wait in jax's shutdown
 barrier for the peers that are gone. What the dead process had not saved is lost; an
@@ -22,12 +24,15 @@ unfinished save is never used (checkpoint.py).
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import ctypes
 import json
-import logging
 import os
 import re
+import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +43,6 @@ _SIGNS = ("Connection reset by peer", "Connection closed by peer", "Connection r
           "Broken pipe", "Gloo", "gloo", "NCCL", "nccl", "stopped sending heartbeats",
           "tasks have crashed", "CoordinationService", "coordination service")
 _where: dict = {}
-log = logging.getLogger(__name__)
 
 
 def watch(run_dir: Path, process_index: int) -> None:
@@ -90,38 +94,144 @@ def exit_requeue(message: str) -> None:
     os._exit(exit_codes.PREEMPTED)
 
 
-def on_missed_heartbeat(*status) -> None:
-    """jax's distributed client calls this (from its own thread) when the coordination
-    service reports a task gone, instead of aborting the process."""
-    exit_requeue(str(status[0]) if status else "the coordination service lost a task")
+def _lost(process: int, silent_s: float) -> str:
+    """The message a survivor reports when `process` stopped beating (the service's form,
+    so that `lost_processes` reads it)."""
+    return (f"process {process} sent no heartbeat through the coordination service for "
+            f"{silent_s:.0f} s (/task:{process})")
 
 
-@contextlib.contextmanager
-def reported_by_the_client():
-    """jax.distributed.initialize with the client's missed-heartbeat callback set to
-    on_missed_heartbeat (one line, an event, exit 75) instead of jax's default,
-    which aborts the process with a C++ stack trace. jax does not expose the option, so
-    the client factory it calls is wrapped for the call; if that is not possible (another
-    jax), the default stays."""
-    from jax._src import distributed as jax_distributed
+class PeerWatch:
+    """Our own heartbeat over the coordination service's key-value store.
 
-    factory_module = getattr(jax_distributed, "_jax", None)
-    real = getattr(factory_module, "get_distributed_runtime_client", None)
-    if real is None:
-        yield
-        return
+    jax's coordination service declares a task dead after its heartbeat timeout and then
+    aborts every other process (jax's default missed-heartbeat callback: SIGABRT and a
+    C++ stack trace). jaxlib 0.12's client takes a Python callback in its place but
+    cannot call it (nanobind has no caster for the status it passes: the survivor ends in
+    std::bad_cast), so the route is ours: a daemon thread per process writes a counter to
+    `europa_alive/<process>` every `interval_s` and reads the others'. A peer whose counter
+    has not moved for `limit_s` (half the service's timeout, so that ours comes first) is
+    lost; a store that cannot be reached means process 0, which holds the service, is
+    gone. Either way: one line, the event and exit 75. A process that leaves in order
+    writes `leaving` first, and is not reported.
+    """
 
-    def client(*args, **kwargs):
-        kwargs.setdefault("missed_heartbeat_callback", on_missed_heartbeat)
-        return real(*args, **kwargs)
+    PREFIX = "europa_alive/"
+    LEAVING = "leaving"
 
-    try:
-        factory_module.get_distributed_runtime_client = client
-    except (AttributeError, TypeError):
-        log.debug("jax's distributed client factory cannot be wrapped: a lost peer aborts")
-        yield
-        return
-    try:
-        yield
-    finally:
-        factory_module.get_distributed_runtime_client = real
+    def __init__(self, client, process_index: int, process_count: int, limit_s: float,
+                 exit_with=None, clock=time.monotonic):
+        self.client, self.me, self.count, self.limit_s = (client, process_index,
+                                                          process_count, float(limit_s))
+        self.interval_s = min(5.0, max(0.1, self.limit_s / 10))
+        self._exit_with = exit_with or exit_requeue
+        self._clock = clock
+        self._beat = 0
+        self._seen: dict[int, tuple[str | None, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check_once(self) -> str | None:
+        """Beat, read the others; the loss message if a peer is lost (None: all well)."""
+        self._beat += 1
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.me}", str(self._beat),
+                                      allow_overwrite=True)
+            values = dict(self.client.key_value_dir_get(self.PREFIX))
+        except Exception as e:  # noqa: BLE001 (any failure: the service is unreachable)
+            first = next((x.strip() for x in str(e).splitlines() if x.strip()),
+                         type(e).__name__)
+            return f"the coordination service (process 0) cannot be reached: {first} (/task:0)"
+        now = self._clock()
+        for peer in range(self.count):
+            if peer == self.me:
+                continue
+            value = values.get(f"{self.PREFIX}{peer}")
+            if value == self.LEAVING:
+                continue
+            last_value, since = self._seen.get(peer, (None, now))
+            if value != last_value or peer not in self._seen:
+                self._seen[peer] = (value, now)
+            elif now - since > self.limit_s:
+                return _lost(peer, now - since)
+        return None
+
+    def start(self) -> "PeerWatch":
+        self._thread = threading.Thread(target=self._run, name="europa-peer-watch",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.leave)
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            message = self.check_once()
+            if message is not None and not self._stop.is_set():
+                self._exit_with(message)
+                return
+
+    def leave(self) -> None:
+        """This process leaves in order: the others must not report it lost."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.me}", self.LEAVING,
+                                      allow_overwrite=True)
+        except Exception:  # noqa: BLE001 (the service may already be gone)
+            pass
+
+
+_watch: list[PeerWatch] = []
+
+
+def watch_peers(client, process_index: int, process_count: int,
+                heartbeat_timeout_s: float) -> PeerWatch:
+    """Start this process's PeerWatch (distributed.start calls it once the job is joined)."""
+    peer_watch = PeerWatch(client, process_index, process_count,
+                           limit_s=heartbeat_timeout_s / 2).start()
+    _watch.append(peer_watch)
+    return peer_watch
+
+
+def leaving() -> None:
+    """Tell the other processes this one leaves in order (a process that ends itself with
+    os._exit, such as the hang watchdog's, calls this first; a normal exit does it at
+    exit)."""
+    for peer_watch in _watch:
+        peer_watch.leave()
+
+
+_abort_handler: list = []  # the ctypes handler, kept alive for as long as it is installed
+
+
+def requeue_when_the_service_is_gone(coordinator_address: str) -> None:
+    """Process 0, which holds the coordination service, died: every other process's jax
+    client learns it at once (its error poll's stream closes) and aborts (SIGABRT, a C++
+    stack trace, exit 134) before any Python runs — the callback meant to replace that
+    abort cannot be called on jaxlib 0.12 (see PeerWatch). So SIGABRT gets a handler here
+    (at the C level: Python's own handlers run too late, after abort has ended the
+    process) that tries to connect to the service: refused or unanswered, the abort is
+    the lost leader's, and the process ends as any survivor does (one line, the event,
+    exit 75); answered, the abort is some other failure and goes ahead as before.
+    For processes other than 0 (process 0's own abort is never the leader's loss)."""
+    host, _, port = coordinator_address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+    def on_abort(signum: int) -> None:
+        try:
+            with socket.create_connection((host, int(port)), timeout=3):
+                reachable = True
+        except OSError:
+            reachable = False
+        if not reachable:
+            exit_requeue(f"the coordination service at {coordinator_address} is gone "
+                         "(/task:0)")
+        libc.signal(signal.SIGABRT, signal.SIG_DFL)  # abort raises again: the default
+
+    handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_abort)
+    _abort_handler[:] = [handler]
+    libc.signal(signal.SIGABRT, ctypes.cast(handler, ctypes.c_void_p))

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable
 
-from europa_jax.run import distributed, exit_codes
+from europa_jax.run import distributed, exit_codes, peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class HangWatchdog:
                  processes={str(p): phase for p, phase in sorted(phases.items())},
                  missing=missing)
         _try(self._before_exit)  # the timeline's last line: the phase that hung
+        _try(peer_lost.leaving)  # the others end by their own watchdogs, not as a lost peer
         if self.process_index == 0 and self.process_count > 1:
             time.sleep(2.0)  # the others leave first: the coordination service is ours
         _flush_logs()
