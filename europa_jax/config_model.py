@@ -128,6 +128,10 @@ class ModelConfig:
     # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless
     # buffers are sized by the chunk (ep·chunk·K rows), not by the whole 65,536-token row.
     moe_chunk_tokens: int = 0
+    # With k rows per device (data.global_batch_size = k × devices), each decoder layer
+    # gathers its weights once and then runs the rows one at a time (model/row_loop.py):
+    # the gathered bytes of k rows at the temporaries of one.
+    row_loop: bool = False
     scan_layers: bool = True
     remat: Literal["none", "full"] = "full"
 

@@ -1,6 +1,7 @@
 """k rows per device in one step (`data.global_batch_size` = k × devices): every weight is
 gathered once per layer for all k rows, so gathered bytes per token fall k-fold, and the
-step computes what k = 1 on k times the devices computes at the same global batch.
+step computes what k = 1 on k times the devices computes at the same global batch — the
+rows through each layer together, or one at a time (`model.row_loop`, model/row_loop.py).
 
 (The tiny default runs 2 rows per device; its resume is bitwise in tests/test_checkpoint.py.
 `train.microbatches` is the other trade: pieces of a device's rows, a gather per piece,
@@ -33,40 +34,54 @@ def trainer_on(cfg, n_devices: int):
     return train.build_trainer(cfg, mesh)
 
 
+def with_row_loop(cfg, on: bool):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, row_loop=on))
+
+
 @pytest.fixture(scope="module")
 def one_and_two_rows(tiny_cfg):
-    """The same 8 rows and initial weights on 8 devices (1 row each) and on 4 (2 each)."""
-    one = trainer_on(with_layout(tiny_cfg, 2, ROWS), 8)
-    two = trainer_on(with_layout(tiny_cfg, 1, ROWS), 4)
-    host_batch = next(iter(loop.host_batch_iterator(one.cfg)))
+    """The same 8 rows and initial weights on 8 devices (1 row each) and on 4 (2 each),
+    the 2 rows together or one at a time through each layer (`model.row_loop`)."""
+    trainers = {"one": trainer_on(with_layout(tiny_cfg, 2, ROWS), 8),
+                "two": trainer_on(with_layout(tiny_cfg, 1, ROWS), 4),
+                "two, row loop": trainer_on(with_row_loop(with_layout(tiny_cfg, 1, ROWS), True),
+                                            4)}
+    host_batch = next(iter(loop.host_batch_iterator(trainers["one"].cfg)))
     out = {}
-    for trainer in (one, two):
+    for name, trainer in trainers.items():
         state = train.init_state(trainer, seed=0)
         batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in host_batch.items()}
-        out[trainer.mesh.devices.size] = (trainer, state, batch)
+        out[name] = (trainer, state, batch)
     return out
 
 
+@pytest.mark.parametrize("two", ["two", "two, row loop"])
 def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(
-        one_and_two_rows):
-    (loss_1, stats_1), grads_1 = gradients_of(*one_and_two_rows[8])
-    (loss_2, stats_2), grads_2 = gradients_of(*one_and_two_rows[4])
+        one_and_two_rows, two):
+    (loss_1, stats_1), grads_1 = gradients_of(*one_and_two_rows["one"])
+    (loss_2, stats_2), grads_2 = gradients_of(*one_and_two_rows[two])
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0],
                             jax.tree.leaves(grads_2), strict=True):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7,
                                    err_msg=jax.tree_util.keystr(path))
     # the routing is the same decision per token, whichever device holds the row
-    np.testing.assert_array_equal(stats_2["expert_counts_E"], stats_1["expert_counts_E"])
-    np.testing.assert_array_equal(stats_2["routed_copies"], stats_1["routed_copies"])
+    for key in ("expert_counts_E", "routed_copies", "processed_copies"):
+        np.testing.assert_array_equal(stats_2[key], stats_1[key], err_msg=key)
+    np.testing.assert_allclose(stats_2["attention_logit_max_LH"],
+                               stats_1["attention_logit_max_LH"], rtol=1e-5)
+    if two == "two, row loop":  # a dispatch per row, as on twice the devices
+        np.testing.assert_array_equal(stats_2["dispatches"], stats_1["dispatches"])
 
 
-def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg):
+@pytest.mark.parametrize("row_loop", [False, True])
+def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg, row_loop):
     """On the same 2 × 4 mesh, 2 rows per device move exactly the weight gathers and
-    gradient reduce-scatters of 1 row (count, dtype, axis and bytes), while the MoE
-    exchange inside a node carries twice the rows."""
-    cfg = with_comm(tiny_cfg, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
-                    expert_exchange_dtype="bf16")
+    gradient reduce-scatters of 1 row (count per step, dtype, axis and bytes), while the
+    MoE exchange inside a node carries twice the rows: in exchanges twice the size, or
+    with the row loop twice as many exchanges of the same size."""
+    cfg = with_comm(with_row_loop(tiny_cfg, row_loop), weight_gather_dtype="fp8",
+                    grad_reduce_dtype="bf16", expert_exchange_dtype="bf16")
     mesh = sharding.make_mesh(cfg.mesh)
 
     def by_op(rows):
@@ -85,6 +100,6 @@ def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg):
     for key in weights:
         assert two[key] == one[key], key
     exchange = ("all-to-all", ("expert",), "bf16")
-    assert two[exchange][0] == one[exchange][0]
+    assert two[exchange][0] == (2 if row_loop else 1) * one[exchange][0]
     assert two[exchange][1] == pytest.approx(2 * one[exchange][1], rel=0.05)
 

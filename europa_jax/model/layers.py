@@ -5,6 +5,8 @@ Shape suffixes: the project's legend (europa_jax/__init__.py).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import flax.linen as nn
@@ -17,6 +19,39 @@ from europa_jax.model import fp8_linear
 from europa_jax.parallel import comm, layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# Set while a layer runs its rows one at a time (row_loop.py): its parameters arrive
+# already gathered, and `weight` neither gathers them again nor expects a shard.
+_GATHERED: contextvars.ContextVar[bool] = contextvars.ContextVar("gathered", default=False)
+
+
+@contextlib.contextmanager
+def weights_gathered():
+    token = _GATHERED.set(True)
+    try:
+        yield
+    finally:
+        _GATHERED.reset(token)
+
+
+def gathered_shape(on_mesh: layout.ParamLayout) -> tuple[int, ...]:
+    """The shape `comm.gather_weight` gives a shard of this layout: the gathered dims
+    whole (the stored shape, padding included), the kept expert sharding still split."""
+    ctx = comm.current()
+    shape = list(on_mesh.local_shape)
+    for dim, axes in on_mesh.gather:
+        shape[dim] *= math.prod(ctx.mesh_shape[a] for a in axes)
+    return tuple(shape)
+
+
+def ready_to_compute(w_local: jax.Array, role: str, cfg: ModelConfig) -> jax.Array:
+    """A stored shard gathered for this layer, in its compute dtype (padding kept)."""
+    ctx = comm.current()
+    row = param_table.row(role)
+    on_mesh = (ctx.layout if ctx else layout.for_mesh(cfg))[role]
+    compute = jnp.float32 if row.precision.float32_compute else DTYPES[cfg.compute_dtype]
+    return comm.gather_weight(w_local, on_mesh.gather, compute, min_wire=row.precision.wire)
 
 
 def weight(module: nn.Module, name: str) -> jax.Array:
@@ -38,10 +73,12 @@ def weight(module: nn.Module, name: str) -> jax.Array:
                    "ones": nn.initializers.ones}[row.init]
     if on_mesh.stored_shape != on_mesh.model_shape:  # the padding is zeros; the rest as if unpadded
         initializer = _zero_padded(initializer, on_mesh.model_shape, on_mesh.stored_shape)
-    # Under SPMD the module sees its shard; Flax checks the stored shape against this.
-    w = module.param(name, initializer, on_mesh.local_shape, DTYPES[cfg.param_dtype])
-    compute = jnp.float32 if row.precision.float32_compute else DTYPES[cfg.compute_dtype]
-    w = comm.gather_weight(w, on_mesh.gather, compute, min_wire=row.precision.wire)
+    if _GATHERED.get():  # gathered by the layer's row loop, once for all its rows
+        w = module.param(name, initializer, gathered_shape(on_mesh), DTYPES[cfg.param_dtype])
+    else:
+        # Under SPMD the module sees its shard; Flax checks the stored shape against this.
+        w = module.param(name, initializer, on_mesh.local_shape, DTYPES[cfg.param_dtype])
+        w = ready_to_compute(w, role, cfg)
     if on_mesh.stored_shape != on_mesh.model_shape:  # padded dims are gathered whole: drop it
         w = w[tuple(slice(0, n) for n in on_mesh.model_shape)]
     return w

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model import lm_head, mtp
+from europa_jax.model import lm_head, mtp, row_loop
 from europa_jax.model.block import DecoderBlock, under_policy
 from europa_jax.model.layers import RMSNorm, rope_tables, weight
 from europa_jax.parallel import comm
@@ -27,6 +27,9 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     # jax.checkpoint policy naming what backward keeps, offloads or recomputes (offload.py)
     remat_policy: Callable | None = None
+    # with model.row_loop: the policy of a row's trip through a layer (row_loop.py;
+    # offload.row_trip_policy); None: recompute it whole under model.remat: full
+    row_trip_policy: Callable | None = None
 
     @nn.compact
     def __call__(self, tokens_BS, segment_ids_BS, positions_BS, router_bias_LE,
@@ -85,7 +88,13 @@ class Transformer(nn.Module):
         """`n` blocks, scanned (stacked params, compile time independent of depth) or unrolled."""
         if n == 0:
             return x_BSD, {}
-        block_cls = under_policy(DecoderBlock, self.cfg, self.remat_policy)
+        block_cls = DecoderBlock
+        if self.cfg.row_loop:
+            trip = self.row_trip_policy
+            if trip is None and self.cfg.remat == "full":
+                trip = jax.checkpoint_policies.nothing_saveable
+            block_cls = row_loop.row_looped_block(self.cfg, trip)
+        block_cls = under_policy(block_cls, self.cfg, self.remat_policy)
         bias_axis = 0 if is_moe else nn.broadcast
         if self.cfg.scan_layers:
             scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},

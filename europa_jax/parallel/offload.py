@@ -52,6 +52,21 @@ def remat_policy(cfg: OffloadConfig) -> Callable | None:
         offload_src="device", offload_dst=HOST)
 
 
+def row_trip_policy(cfg: OffloadConfig, remat: str) -> Callable | None:
+    """The policy of one row's trip through a layer under `model.row_loop` (row_loop.py):
+    the activation policy less the layer input, which the layer names for all its rows
+    outside the loop. None when nothing is rematerialized (`model.remat: none`, no preset)."""
+    if cfg.activations == "none":
+        return jax.checkpoint_policies.nothing_saveable if remat == "full" else None
+    if cfg.activations == "save_dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    actions = {n: a for n, a in PRESETS[cfg.activations].items() if n != "layer_input"}
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[n for n, a in actions.items() if a == "save"],
+        names_which_can_be_offloaded=[n for n, a in actions.items() if a == "offload"],
+        offload_src="device", offload_dst=HOST)
+
+
 def place_state(state_shardings: Any, abstract_state: Any, cfg: OffloadConfig) -> Any:
     """Train-state shardings with offloaded leaves in host memory (scalars stay on device)."""
     def on_host(shardings, shapes):

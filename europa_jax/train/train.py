@@ -107,7 +107,8 @@ def _abstract_params(model_cfg: ModelConfig, seq_len: int) -> Any:
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
-    model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload))
+    model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload),
+                        row_trip_policy=offload.row_trip_policy(cfg.offload, cfg.model.remat))
     mesh_shape = sharding.mesh_shape_of(mesh)
     on_mesh = layout.for_mesh(cfg.model, mesh_shape)
     shapes = abstract_params(cfg)

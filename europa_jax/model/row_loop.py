@@ -1,0 +1,102 @@
+"""A decoder layer over a device's rows one at a time, its weights gathered once for all.
+
+With k rows per device (`data.global_batch_size` = k × devices), a layer that takes all
+k rows together gathers each weight once — the bytes per token that InfiniBand carries
+fall k-fold — but holds k rows' temporaries at its peak (europa-952b at 2 rows: 120 GB of
+HBM against 88). `model.row_loop` keeps the one gather and the one-row peak:
+
+1. the layer's parameters are gathered on entry (`nn.map_variables`; the gathers'
+   transposes, the gradients' reduce-scatters, happen once on the way out);
+2. the rows go through the layer one by one in a scan (`nn.scan`, the gathered weights
+   broadcast to every trip: their gradients sum over the trips before the one
+   reduce-scatter);
+3. each trip is rematerialized on its own (`jax.checkpoint` under the layer's policy
+   less its layer input), so the backward holds one row's activations at a time.
+
+The layer input is named for the activation policy outside the loop, all k rows at once,
+as without it. With context parallelism a trip takes row r of each of the node's GPUs
+(attention sees the node's rows). Stats come back summed over the rows (counts), or
+their maximum (`attention_logit_max_H`).
+
+Shape suffixes: the project's legend (europa_jax/__init__.py); K here is the rows a
+device holds, R the node's rows of one trip (1 without context parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from europa_jax.config import ModelConfig
+from europa_jax.model import block
+from europa_jax.model.layers import ready_to_compute, weights_gathered
+from europa_jax.parallel import comm
+
+
+def gathered(params: dict, cfg: ModelConfig) -> dict:
+    """Every parameter of a layer's tree, gathered as `layers.weight` would gather it
+    (their paths in the layer are their roles: `attention.w_q_a`)."""
+    def gather(path, w):
+        role = ".".join(str(getattr(k, "key", k)) for k in path)
+        return ready_to_compute(w, role, cfg)
+
+    return jax.tree_util.tree_map_with_path(gather, params)
+
+
+def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.Module]:
+    """The decoder block class whose rows go one at a time (see the module docstring),
+    each trip under `trip_policy` (None: trips saved whole, no memory gained)."""
+
+    class RowLoopedBlock(nn.Module):
+        ROLE_ROOT = True
+        cfg: ModelConfig
+        is_moe: bool
+
+        @nn.compact
+        def __call__(self, x_KSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_E,
+                     tokens_KS):
+            k = x_KSD.shape[0]
+            args = (self.cfg, self.is_moe, x_KSD, segment_ids_BS, cos_BSP2, sin_BSP2,
+                    router_bias_E, tokens_KS)
+            if comm.current() is None or self.is_initializing():  # nothing was gathered
+                return block.block_layers(*args)
+            if k == 1:
+                with weights_gathered():
+                    return block.block_layers(*args)
+            x_KSD = checkpoint_name(x_KSD, "layer_input")
+            group = segment_ids_BS.shape[0] // k  # the node's GPUs whose rows attention sees
+
+            def trips(a_BX):  # [group·K, ...] in device order → [K, group, ...]
+                return jnp.swapaxes(a_BX.reshape(group, k, *a_BX.shape[1:]), 0, 1)
+
+            def one_row(mdl, carry, row, bias_E):
+                x_1SD, segment_ids_RS, cos_RSP2, sin_RSP2, tokens_1S = row
+                y_1SD, stats = block.block_layers(mdl.cfg, mdl.is_moe, x_1SD, segment_ids_RS,
+                                                  cos_RSP2, sin_RSP2, bias_E, tokens_1S)
+                return carry, (y_1SD, stats)
+
+            if trip_policy is not None:
+                one_row = nn.remat(one_row, policy=trip_policy, prevent_cse=False)
+            scan = nn.scan(one_row, variable_broadcast="params", split_rngs={"params": False},
+                           in_axes=(0, nn.broadcast), length=k)
+            rows = (x_KSD[:, None], trips(segment_ids_BS), trips(cos_BSP2), trips(sin_BSP2),
+                    tokens_KS[:, None])
+            with weights_gathered():
+                _, (y_K1SD, stats_K) = scan(self, None, rows, router_bias_E)
+            stats = {key: value.max(axis=0) if key.endswith("max_H") else value.sum(axis=0)
+                     for key, value in stats_K.items()}
+            return y_K1SD[:, 0], stats
+
+    return nn.map_variables(RowLoopedBlock, "params",
+                            trans_in_fn=lambda variables: _gather_under_spmd(variables, cfg),
+                            init=True, mutable=False)
+
+
+def _gather_under_spmd(variables, cfg: ModelConfig):
+    if comm.current() is None:  # unsharded use: the block computes as without the loop
+        return variables
+    return {collection: gathered(params, cfg) for collection, params in variables.items()}
