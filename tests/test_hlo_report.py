@@ -1,6 +1,7 @@
 """The collective report against a program whose communication we know by construction."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +64,40 @@ def test_dot_flops_apply_trip_counts_in_lowered_and_optimized_hlo():
     expected = 3 * 3 * 2 * 64 * 256 * 256
     assert hlo_report.dot_flops(lowered.compiler_ir("hlo").as_hlo_text()) == expected
     assert hlo_report.dot_flops(lowered.compile().as_text()) == expected
+
+
+# A loop as the GH200 program of `model.row_loop` has it: no known_trip_count, its
+# `i < 59` fused into the condition (`@BOUND@` a constant, or a loop value: data).
+FUSED_CONDITION = """
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(59)
+  ROOT %lt = pred[] compare(%p, @BOUND@), direction=LT
+}
+
+%cond (c: (s32[], s32[])) -> pred[] {
+  %c = (s32[], s32[]) parameter(0)
+  ROOT %fusion = pred[] fusion(%c), kind=kLoop, calls=%fused_compare
+}
+
+%body (b: (s32[], s32[])) -> (s32[], s32[]) {
+  %b = (s32[], s32[]) parameter(0)
+  ROOT %same = (s32[], s32[]) copy(%b)
+}
+
+ENTRY %main (x: (s32[], s32[])) -> (s32[], s32[]) {
+  %x = (s32[], s32[]) parameter(0)
+  ROOT %loop = (s32[], s32[]) while(%x), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+}
+"""
+
+
+@pytest.mark.parametrize("bound, trips", [("%bound", 59), ("%p", None)])
+def test_a_trip_count_fused_into_the_loop_condition_is_read(bound, trips):
+    comps, entry = hlo_report._computations(FUSED_CONDITION.replace("@BOUND@", bound))
+    (loop,) = [line for line in comps[entry] if " while(" in line]
+    assert hlo_report._trip_count(loop, comps) == trips
+    assert hlo_report.execution_counts(comps, entry)["body"] == (trips or 1)
 
 
 def test_partitioner_collectives_show_in_optimized_hlo_and_can_be_selected():

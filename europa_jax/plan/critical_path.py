@@ -128,7 +128,7 @@ def loop_trips(mod: Module, dynamic_trips: Callable[[str], float] | None = None)
     for name, times in hlo_report.execution_counts(mod.comps, mod.entry, dynamic_trips).items():
         for line in mod.comps[name]:
             loop = re.search(r"condition=([\w.\-]+), body=", line)
-            if loop and hlo_report._trip_count(line, mod.comps.get(loop.group(1), [])) is None:
+            if loop and hlo_report._trip_count(line, mod.comps) is None:
                 trips = dynamic_trips(hlo_report._op_name(line)) if dynamic_trips else 1.0
                 total += times * (trips + 1)
     return total

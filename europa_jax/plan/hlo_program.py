@@ -134,10 +134,10 @@ def launches(mod: Module, dynamic_trips: Callable[[str], float] | None = None
             op_name = op_name.group(1) if op_name else ""
             if opcode == "while":
                 cond, body = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", rest).groups()
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                trips = hlo_report._trip_count(line, mod.comps)
                 dynamic = trips is None
-                trips = (int(trips.group(1)) if trips else
-                         dynamic_trips(op_name) if dynamic_trips else 1)
+                if dynamic:
+                    trips = dynamic_trips(op_name) if dynamic_trips else 1
                 yield from visit(cond, times * (trips + 1), op_name, conditional or dynamic,
                                  depth + 1)
                 yield from visit(body, times * trips, op_name, conditional or dynamic,

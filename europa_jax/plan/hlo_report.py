@@ -8,7 +8,8 @@ shows the collectives the SPMD partitioner adds outside `shard_map`; of a GPU-ta
 compile (gpu_target.py) it is what a GPU runs — async `*-start` ops, collectives of
 several dtypes combined into one (counted per dtype). Work inside `while`
 loops (the scan over layers, lax.map) is counted once per iteration; trip counts come
-from XLA's `known_trip_count` or the loop condition `i < N` that jax emits for scans.
+from XLA's `known_trip_count` or the loop condition `i < N` that jax emits for scans
+(fused into the condition where XLA stated no count).
 Replica groups are mapped back to the mesh axes that generate them.
 
 Bytes per device use the usual ring-algorithm volumes: all-gather moves its result
@@ -123,16 +124,28 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _trip_count(while_line: str, cond_lines: list[str]) -> int | None:
-    """A loop's trip count: stated (optimized HLO) or jax's scan condition `i < N`
-    (lowered HLO); None when it is data."""
+def _trip_count(while_line: str, comps: dict[str, list[str]]) -> int | None:
+    """A loop's trip count: stated (optimized HLO) or jax's scan condition `i < N` (lowered
+    HLO, or optimized where XLA left no count: the comparison fused into the condition);
+    None when it is data."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', while_line)
     if known:
         return int(known.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", while_line)
+    cond_lines = comps.get(condition.group(1), []) if condition else []
     constants = [int(c) for line in cond_lines
                  for c in re.findall(r"s32\[\] constant\((\d+)\)", line)]
     if any("direction=LT" in line for line in cond_lines) and constants:
         return max(constants)
+    # XLA fused the comparison into the condition: one `i < constant` and nothing else
+    fused = [line for cond in cond_lines for callee in re.findall(r"calls=%?([\w.\-]+)", cond)
+             for line in comps.get(callee, [])]
+    compares = [line for line in fused if " compare(" in line]
+    defined = dict(re.findall(r"([\w.\-]+) = s32\[\] constant\((\d+)\)", "\n".join(fused)))
+    if len(compares) == 1 and "direction=LT" in compares[0]:
+        operands = re.search(r"compare\(%?([\w.\-#]+), %?([\w.\-#]+)\)", compares[0])
+        if operands and operands.group(2) in defined:
+            return int(defined[operands.group(2)])
     return None
 
 
@@ -159,7 +172,7 @@ def execution_counts(comps: dict[str, list[str]], entry: str,
         for line in comps[name]:
             loop = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", line)
             if loop:
-                trips = _trip_count(line, comps.get(loop.group(1), []))
+                trips = _trip_count(line, comps)
                 if trips is None:
                     trips = dynamic_trips(_op_name(line)) if dynamic_trips else 1
                 visit(loop.group(2), times * trips, depth + 1)
