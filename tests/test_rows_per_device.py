@@ -103,3 +103,21 @@ def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg, 
     assert two[exchange][0] == (2 if row_loop else 1) * one[exchange][0]
     assert two[exchange][1] == pytest.approx(2 * one[exchange][1], rel=0.05)
 
+
+
+def test_the_plan_counts_a_row_loop_s_dispatches_and_attention_passes_per_row(tiny_cfg):
+    """Under the row loop a layer's MoE dispatches one row's tokens, and its attention
+    kernel runs once per row per pass: the plan must neither price the dispatch at both
+    rows nor count each row's kernel call as another pass over the device's rows."""
+    from europa_jax.model import moe
+    from europa_jax.plan import step_work
+
+    two = with_layout(tiny_cfg, 1, ROWS)  # 2 rows on each of 4 devices
+    looped = with_row_loop(two, True)
+    assert moe.dispatch_tokens(two) == 2 * two.data.seq_len
+    assert moe.dispatch_tokens(looped) == looped.data.seq_len
+    layers = step_work.attention_layers(two.model)
+    forward_and_recompute = {"attention_forward": {"runs": 2 * layers}}
+    assert step_work.forward_passes(two, forward_and_recompute) == 2
+    per_row = {"attention_forward": {"runs": 2 * 2 * layers}}
+    assert step_work.forward_passes(looped, per_row) == 2

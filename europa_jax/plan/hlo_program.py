@@ -22,7 +22,7 @@ import math
 import re
 from typing import Callable, Iterator
 
-from europa_jax.plan.hlo_report import DTYPE_BYTES, _computations, _dims
+from europa_jax.plan.hlo_report import DTYPE_BYTES, _computations, _dims, _trip_count
 
 # Opcodes that launch no kernel of their own.
 NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -134,7 +134,7 @@ def launches(mod: Module, dynamic_trips: Callable[[str], float] | None = None
             op_name = op_name.group(1) if op_name else ""
             if opcode == "while":
                 cond, body = re.search(r"condition=([\w.\-]+), body=([\w.\-]+)", rest).groups()
-                trips = hlo_report._trip_count(line, mod.comps)
+                trips = _trip_count(line, mod.comps)
                 dynamic = trips is None
                 if dynamic:
                     trips = dynamic_trips(op_name) if dynamic_trips else 1
