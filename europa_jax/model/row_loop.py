@@ -67,11 +67,7 @@ def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.
             if k == 1:
                 with weights_gathered():
                     return block.block_layers(*args)
-            # Each row's input named on its own: the backward brings the saved rows back
-            # whole and slices them on the device (a loop slicing one saved [K, S, D] in
-            # host memory would run on the host).
-            x_K1SD = jnp.stack([checkpoint_name(x_KSD[r:r + 1], "layer_input")
-                                for r in range(k)])
+            x_KSD = checkpoint_name(x_KSD, "layer_input")
             group = segment_ids_BS.shape[0] // k  # the node's GPUs whose rows attention sees
 
             def trips(a_BX):  # [group·K, ...] in device order → [K, group, ...]
@@ -87,7 +83,7 @@ def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.
                 one_row = nn.remat(one_row, policy=trip_policy, prevent_cse=False)
             scan = nn.scan(one_row, variable_broadcast="params", split_rngs={"params": False},
                            in_axes=(0, nn.broadcast), length=k)
-            rows = (x_K1SD, trips(segment_ids_BS), trips(cos_BSP2), trips(sin_BSP2),
+            rows = (x_KSD[:, None], trips(segment_ids_BS), trips(cos_BSP2), trips(sin_BSP2),
                     tokens_KS[:, None])
             with weights_gathered():
                 _, (y_K1SD, stats_K) = scan(self, None, rows, router_bias_E)
