@@ -121,3 +121,29 @@ def test_the_plan_counts_a_row_loop_s_dispatches_and_attention_passes_per_row(ti
     assert step_work.forward_passes(two, forward_and_recompute) == 2
     per_row = {"attention_forward": {"runs": 2 * 2 * layers}}
     assert step_work.forward_passes(looped, per_row) == 2
+
+
+def test_the_row_loop_gives_each_trip_the_node_s_rows_under_context_parallelism(tiny_cfg):
+    """With attention over the node's GPUs a trip takes row r of each of them (its
+    segment ids and positions come gathered in device order): the same loss and
+    gradients as the rows taken together. Every row gets its own document boundary, so
+    that a trip given another row's segments would attend differently."""
+    cp = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
+        tiny_cfg.model, attention_context_parallel=True))
+    host_batch = dict(next(iter(loop.host_batch_iterator(with_layout(cp, 1, ROWS)))))
+    seq = host_batch["tokens"].shape[1]
+    at_S = np.arange(seq)
+    cuts = [8 * (i + 1) for i in range(ROWS)]
+    host_batch["segment_ids"] = np.stack([np.where(at_S < c, 1, 2) for c in cuts]).astype(np.int32)
+    host_batch["positions"] = np.stack([np.where(at_S < c, at_S, at_S - c)
+                                        for c in cuts]).astype(np.int32)
+    results = []
+    for on in (False, True):
+        trainer = trainer_on(with_row_loop(with_layout(cp, 1, ROWS), on), 4)
+        batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in host_batch.items()}
+        results.append(gradients_of(trainer, train.init_state(trainer, seed=0), batch))
+    ((loss_0, stats_0), grads_0), ((loss_1, stats_1), grads_1) = results
+    np.testing.assert_allclose(loss_1, loss_0, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_0), jax.tree.leaves(grads_1), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
+    np.testing.assert_array_equal(stats_1["expert_counts_E"], stats_0["expert_counts_E"])
