@@ -146,17 +146,14 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
     return y_TD, stats
 
 
-def layer_rows(cfg) -> int:
-    """Rows a decoder layer takes at once on one device under a run's config (`Config`):
-    its rows in one microbatch (`train.microbatches`), or one under `model.row_loop`."""
-    rows = cfg.data.global_batch_size // cfg.mesh.n_devices // cfg.train.microbatches
-    return min(rows, 1) if cfg.model.row_loop else rows
-
-
 def dispatch_tokens(cfg) -> int:
-    """Tokens one device dispatches at once under a run's config (`Config`): the rows a
-    layer takes at once (`layer_rows`), or `moe_chunk_tokens` of their tokens."""
-    tokens = layer_rows(cfg) * cfg.data.seq_len
+    """Tokens one device dispatches at once under a run's config (`Config`): its rows'
+    tokens in one microbatch (`train.microbatches`) — one row's under `model.row_loop` —
+    or `moe_chunk_tokens` of them."""
+    tokens = (cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
+              // cfg.train.microbatches)
+    if cfg.model.row_loop:
+        tokens = min(tokens, cfg.data.seq_len)
     chunk = cfg.model.moe_chunk_tokens
     return min(tokens, chunk) if chunk else tokens
 

@@ -54,8 +54,8 @@ def forward_passes(cfg: Config, classes: dict | None) -> float:
     program's forward kernel calls per layer (per row under `model.row_loop`, whose
     kernels take one row each), or 2 under full remat (the backward recomputes it)."""
     if classes and classes["attention_forward"]["runs"]:
-        calls_per_pass = (cfg.data.global_batch_size // cfg.mesh.n_devices
-                          // cfg.train.microbatches) // moe.layer_rows(cfg)
+        rows = cfg.data.global_batch_size // cfg.mesh.n_devices // cfg.train.microbatches
+        calls_per_pass = max(1, rows) if cfg.model.row_loop else 1
         return max(1.0, round(classes["attention_forward"]["runs"]
                               / attention_layers(cfg.model) / calls_per_pass))
     return 2.0 if cfg.model.remat == "full" else 1.0
