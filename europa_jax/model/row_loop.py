@@ -2,8 +2,11 @@
 
 With k rows per device (`data.global_batch_size` = k × devices), a layer that takes all
 k rows together gathers each weight once — the bytes per token that InfiniBand carries
-fall k-fold — but holds k rows' temporaries at its peak (europa-952b at 2 rows: 120 GB of
-HBM against 88). `model.row_loop` keeps the one gather and the one-row peak:
+fall k-fold — but holds k rows' temporaries at its peak (europa-952b at 2 rows: 120.5 GB
+of HBM against 88.3). `model.row_loop` keeps the one gather and holds one row's
+activations at a time (europa-952b at 2 rows: 110.4 GB — the gathered expert matrices,
+their transposes and their gradients' accumulators stay whole: docs/plan.md, "The row
+loop"):
 
 1. the layer's parameters are gathered on entry (`nn.map_variables`; the gathers'
    transposes, the gradients' reduce-scatters, happen once on the way out);
