@@ -147,3 +147,12 @@ def test_the_row_loop_gives_each_trip_the_node_s_rows_under_context_parallelism(
     for a, b in zip(jax.tree.leaves(grads_0), jax.tree.leaves(grads_1), strict=True):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
     np.testing.assert_array_equal(stats_1["expert_counts_E"], stats_0["expert_counts_E"])
+
+
+def test_the_row_loop_changes_no_parameter_path_or_shape(tiny_cfg):
+    """The loop is a way of running a layer, not another model: a checkpoint written with
+    it on restores with it off and back."""
+    plain = train.abstract_params(tiny_cfg)
+    looped = train.abstract_params(with_row_loop(tiny_cfg, True))
+    assert jax.tree.structure(looped) == jax.tree.structure(plain)
+    assert [x.shape for x in jax.tree.leaves(looped)] == [x.shape for x in jax.tree.leaves(plain)]
