@@ -84,7 +84,7 @@ def test_the_peer_watch_reports_a_peer_silent_for_its_limit_and_nothing_sooner()
     assert peer_lost.lost_processes(lost) == [2] and "for 12 s" in lost, lost
 
 
-def test_a_peer_that_leaves_in_order_is_not_lost_and_an_unreachable_service_is_process_0():
+def test_a_peer_that_leaves_in_order_is_not_lost_and_a_service_unreachable_for_the_limit_is_process_0():
     store, now = Store(), [0.0]
     first, second = (peer_lost.PeerWatch(store, i, 2, limit_s=10, clock=lambda: now[0])
                      for i in range(2))
@@ -92,7 +92,16 @@ def test_a_peer_that_leaves_in_order_is_not_lost_and_an_unreachable_service_is_p
     second.leave()
     now[0] = 100.0
     assert first.check_once() is None
+    store.down = True  # a failed call is not yet a loss: only the limit's worth of them
+    assert first.check_once() is None
+    now[0] = 105.0
+    assert first.check_once() is None
+    store.down = False  # the service answered again: the count starts over
+    assert first.check_once() is None
     store.down = True
+    now[0] = 108.0
+    assert first.check_once() is None
+    now[0] = 118.5
     lost = first.check_once()
     assert peer_lost.lost_processes(lost) == [0] and "cannot be reached" in lost, lost
 

@@ -111,8 +111,8 @@ class PeerWatch:
     std::bad_cast), so the route is ours: a daemon thread per process writes a counter to
     `europa_alive/<process>` every `interval_s` and reads the others'. A peer whose counter
     has not moved for `limit_s` (half the service's timeout, so that ours comes first) is
-    lost; a store that cannot be reached means process 0, which holds the service, is
-    gone. Either way: one line, the event and exit 75. A process that leaves in order
+    lost; a store that cannot be reached for as long means process 0, which holds the
+    service, is gone. Either way: one line, the event and exit 75. A process that leaves in order
     writes `leaving` first, and is not reported.
     """
 
@@ -128,6 +128,7 @@ class PeerWatch:
         self._clock = clock
         self._beat = 0
         self._seen: dict[int, tuple[str | None, float]] = {}
+        self._unreachable_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -139,9 +140,16 @@ class PeerWatch:
                                       allow_overwrite=True)
             values = dict(self.client.key_value_dir_get(self.PREFIX))
         except Exception as e:  # noqa: BLE001 (any failure: the service is unreachable)
+            # A busy service may fail a call: only one unreachable for the whole limit is
+            # gone (process 0's death itself reaches us at once, through jax's abort).
+            now = self._clock()
+            self._unreachable_since = self._unreachable_since or now
+            if now - self._unreachable_since <= self.limit_s:
+                return None
             first = next((x.strip() for x in str(e).splitlines() if x.strip()),
                          type(e).__name__)
             return f"the coordination service (process 0) cannot be reached: {first} (/task:0)"
+        self._unreachable_since = None
         now = self._clock()
         for peer in range(self.count):
             if peer == self.me:
