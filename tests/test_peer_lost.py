@@ -4,7 +4,6 @@ the retry resumes from the last checkpoint (run/peer_lost.py)."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 
 from europa_jax.run import exit_codes, peer_lost
 from conftest import REPO, process_env
+from test_distributed import free_port
 from test_checkpoint import cli_env, events, start_cli, wait_for_step  # noqa: F401
 
 
@@ -20,9 +20,7 @@ from test_checkpoint import cli_env, events, start_cli, wait_for_step  # noqa: F
 # peer watch while it waits elsewhere (orbax's barriers in a save): both end it with 75.
 @pytest.mark.slow
 def test_a_peer_killed_mid_run_ends_the_survivor_with_the_requeue_code(tmp_path, cli_env):  # noqa: F811
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [start_cli(tmp_path, {**cli_env, **local_sh_env(port, i, heartbeat_s=20)},
                        "train.steps=200", "checkpoint.every_steps=2") for i in range(2)]
     wait_for_step(procs[0], tmp_path, 3)
@@ -134,9 +132,7 @@ def local_sh_env(port, process_id, heartbeat_s):
 
 
 def join_two(run_dir, *sleeps):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for i in range(2):
         env = {**process_env(), **local_sh_env(port, i, heartbeat_s=20)}

@@ -39,13 +39,14 @@ PRESETS: dict[str, dict[str, Action]] = {
 }
 
 
-def remat_policy(cfg: OffloadConfig) -> Callable | None:
-    """The jax.checkpoint policy for `offload.activations`, or None to keep model.remat."""
+def remat_policy(cfg: OffloadConfig, *, less: tuple[str, ...] = ()) -> Callable | None:
+    """The jax.checkpoint policy for `offload.activations`, or None to keep model.remat;
+    `less`: checkpoint names it recomputes whatever the preset says."""
     if cfg.activations == "none":
         return None
     if cfg.activations == "save_dots":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    actions = PRESETS[cfg.activations]
+    actions = {n: a for n, a in PRESETS[cfg.activations].items() if n not in less}
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[n for n, a in actions.items() if a == "save"],
         names_which_can_be_offloaded=[n for n, a in actions.items() if a == "offload"],
@@ -58,13 +59,7 @@ def row_trip_policy(cfg: OffloadConfig, remat: str) -> Callable | None:
     outside the loop. None when nothing is rematerialized (`model.remat: none`, no preset)."""
     if cfg.activations == "none":
         return jax.checkpoint_policies.nothing_saveable if remat == "full" else None
-    if cfg.activations == "save_dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    actions = {n: a for n, a in PRESETS[cfg.activations].items() if n != "layer_input"}
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[n for n, a in actions.items() if a == "save"],
-        names_which_can_be_offloaded=[n for n, a in actions.items() if a == "offload"],
-        offload_src="device", offload_dst=HOST)
+    return remat_policy(cfg, less=("layer_input",))
 
 
 def place_state(state_shardings: Any, abstract_state: Any, cfg: OffloadConfig) -> Any:

@@ -130,7 +130,6 @@ class PeerWatch:
         self._seen: dict[int, tuple[str | None, float]] = {}
         self._unreachable_since: float | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def check_once(self) -> str | None:
         """Beat, read the others; the loss message if a peer is lost (None: all well)."""
@@ -165,9 +164,7 @@ class PeerWatch:
         return None
 
     def start(self) -> "PeerWatch":
-        self._thread = threading.Thread(target=self._run, name="europa-peer-watch",
-                                        daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="europa-peer-watch", daemon=True).start()
         atexit.register(self.leave)
         return self
 
