@@ -84,6 +84,8 @@ class CommConfig:
 
 ACTIVATION_PRESETS = ("none", "full_remat", "offload_layer_inputs", "offload_attention_moe",
                       "save_dots")
+# The presets that keep each layer's input for the backward (offload.py PRESETS).
+PRESETS_KEEPING_LAYER_INPUT = ("offload_layer_inputs", "offload_attention_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,6 +318,12 @@ class Config:
             raise ConfigError(f"train.eval_every: {self.train.eval_every} but there are no "
                               "validation documents (set data.validation_fraction or "
                               "data.validation_path)")
+        if m.layer_input_format != "compute_dtype" and \
+                self.offload.activations not in PRESETS_KEEPING_LAYER_INPUT:
+            raise ConfigError(f"model.layer_input_format: {m.layer_input_format} makes the kept "
+                              "layer inputs smaller, but offload.activations="
+                              f"{self.offload.activations} keeps none (use one of: "
+                              + ", ".join(PRESETS_KEEPING_LAYER_INPUT) + ")")
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size: {m.vocab_size} < {BYTE_VOCAB_SIZE} needed by the "
                               "byte-level stdlib corpus")

@@ -132,6 +132,10 @@ class ModelConfig:
     # gathers its weights once and then runs the rows one at a time (model/row_loop.py):
     # the gathered bytes of k rows at the temporaries of one.
     row_loop: bool = False
+    # What each decoder layer's branches read of its input, and so what the activation
+    # policy keeps of it for the backward (model/layer_input.py): the input itself, or an
+    # e4m3 copy in 1×128 tiles at half the bytes (the residual stream stays exact).
+    layer_input_format: Literal["compute_dtype", "e4m3"] = "compute_dtype"
     scan_layers: bool = True
     remat: Literal["none", "full"] = "full"
 

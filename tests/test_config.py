@@ -50,6 +50,10 @@ ERRORS = [
     (["mesh.data=0"], r"mesh\.data: 0 must be positive"),
     (["train.steps"], r"--set 'train\.steps': expected KEY=VALUE"),
     (["data.source=web"], r"data\.source: 'web' is not one of: stdlib"),
+    (["model.layer_input_format=e4m3"], r"model\.layer_input_format: e4m3 makes the kept layer "
+                                        r"inputs smaller, but offload\.activations=none keeps none"),
+    (["model.layer_input_format=fp8"], r"model\.layer_input_format: 'fp8' is not one of: "
+                                       r"compute_dtype, e4m3"),
 ]
 
 

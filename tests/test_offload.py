@@ -82,3 +82,11 @@ def test_each_activation_preset_changes_the_program_as_named(tiny_cfg):
     assert dots("none") == full  # `none` defers to model.remat (full here)
     assert host_values("full_remat") == 0
     assert 0 < host_values("offload_layer_inputs") < host_values("offload_attention_moe")
+
+
+def test_the_config_knows_which_presets_keep_the_layer_input():
+    """config.py refuses `model.layer_input_format: e4m3` under a preset that keeps no
+    layer input; its list must be this module's."""
+    from europa_jax.config import PRESETS_KEEPING_LAYER_INPUT
+    assert sorted(PRESETS_KEEPING_LAYER_INPUT) == sorted(
+        name for name, actions in offload.PRESETS.items() if "layer_input" in actions)

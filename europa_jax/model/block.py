@@ -13,33 +13,37 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
+from europa_jax.model import layer_input
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import RMSNorm, SwiGLU
 from europa_jax.model.moe import MoE
 
 
 def block_layers(cfg: ModelConfig, is_moe: bool, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
-                 router_bias_E, tokens_BS):
+                 router_bias_E, tokens_BS, branch_in_BSD=None):
     """A pre-norm block's layers, created in the module whose compact method calls this.
 
     Returns the new residual stream and the layer's stats: each head's largest attention
     logit on this device (`attention_logit_max_H`, for QK-clip) and, in MoE blocks, the
     MoE's counts (moe.py). `segment_ids_BS` are attention's (the node's rows under context
     parallelism); `tokens_BS` marks this device's own real tokens (the MoE's sequence
-    balance).
+    balance). The branches read `branch_in_BSD` when given (the row loop makes it once for
+    a device's rows), else what `layer_input.for_branches` makes of `x_BSD`.
     """
-    x_BSD = checkpoint_name(x_BSD, "layer_input")
+    if branch_in_BSD is None:
+        x_BSD, branch_in_BSD = layer_input.for_branches(cfg, x_BSD)
     attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
-        RMSNorm(cfg, name="attention_norm")(x_BSD), segment_ids_BS, cos_BSP2, sin_BSP2)
-    h_BSD = x_BSD + attn_BSD
-    mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_BSD)
+        RMSNorm(cfg, name="attention_norm")(branch_in_BSD), segment_ids_BS, cos_BSP2, sin_BSP2)
+    h_branch_BSD = branch_in_BSD + attn_BSD
+    mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_branch_BSD)
     if is_moe:
         mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E, tokens_BS)
     else:
         mlp_out_BSD, stats = SwiGLU(cfg, name="mlp")(mlp_in_BSD), {}
+    # The residual stream carries the exact input; the branches may have read a rounded copy.
+    h_BSD = h_branch_BSD if branch_in_BSD is x_BSD else x_BSD + attn_BSD
     return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model import lm_head
+from europa_jax.model import layer_input, lm_head
 from europa_jax.model.attention import logit_scale
 from europa_jax.model.layers import RMSNorm, SwiGLU, apply_rope, rope_tables, weight
 from europa_jax.model.moe import MoE
@@ -110,15 +110,17 @@ class CachedBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, cos_BTP2, sin_BTP2, start, latent_BSA, k_rope_BSP, router_bias_E):
         cfg = self.cfg
+        x_BTD, branch_in_BTD = layer_input.for_branches(cfg, x_BTD)  # as the model trained
         attn_BTD, latent_BSA, k_rope_BSP = CachedAttention(cfg, name="attention")(
-            RMSNorm(cfg, name="attention_norm")(x_BTD), cos_BTP2, sin_BTP2, latent_BSA,
+            RMSNorm(cfg, name="attention_norm")(branch_in_BTD), cos_BTP2, sin_BTP2, latent_BSA,
             k_rope_BSP, start)
-        h_BTD = x_BTD + attn_BTD
-        mlp_in_BTD = RMSNorm(cfg, name="mlp_norm")(h_BTD)
+        h_branch_BTD = branch_in_BTD + attn_BTD
+        mlp_in_BTD = RMSNorm(cfg, name="mlp_norm")(h_branch_BTD)
         if self.is_moe:
             mlp_out_BTD, _ = MoE(cfg, name="moe")(mlp_in_BTD, router_bias_E)
         else:
             mlp_out_BTD = SwiGLU(cfg, name="mlp")(mlp_in_BTD)
+        h_BTD = h_branch_BTD if branch_in_BTD is x_BTD else x_BTD + attn_BTD
         return h_BTD + mlp_out_BTD, (latent_BSA, k_rope_BSP)
 
 

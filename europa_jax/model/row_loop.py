@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
-from europa_jax.model import block
+from europa_jax.model import block, layer_input
 from europa_jax.model.layers import ready_to_compute, weights_gathered
 from europa_jax.parallel import comm
 
@@ -70,24 +70,31 @@ def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.
             if k == 1:
                 with weights_gathered():
                     return block.block_layers(*args)
-            x_KSD = checkpoint_name(x_KSD, "layer_input")
+            if self.cfg.layer_input_format == "compute_dtype":
+                x_KSD = checkpoint_name(x_KSD, layer_input.NAME)
+                tiles_KSX = None
+            else:  # each trip reads its row's tiles: no rounded copy of all k rows is held
+                tiles_KSX = layer_input.e4m3_tiles(x_KSD)
             group = segment_ids_BS.shape[0] // k  # the node's GPUs whose rows attention sees
 
             def trips(a_BX):  # [group·K, ...] in device order → [K, group, ...]
                 return jnp.swapaxes(a_BX.reshape(group, k, *a_BX.shape[1:]), 0, 1)
 
             def one_row(mdl, carry, row, bias_E):
-                x_1SD, segment_ids_RS, cos_RSP2, sin_RSP2, tokens_1S = row
+                x_1SD, tiles_1SX, segment_ids_RS, cos_RSP2, sin_RSP2, tokens_1S = row
+                branch_in_1SD = x_1SD if tiles_1SX is None else layer_input.read(x_1SD,
+                                                                                 *tiles_1SX)
                 y_1SD, stats = block.block_layers(mdl.cfg, mdl.is_moe, x_1SD, segment_ids_RS,
-                                                  cos_RSP2, sin_RSP2, bias_E, tokens_1S)
+                                                  cos_RSP2, sin_RSP2, bias_E, tokens_1S,
+                                                  branch_in_BSD=branch_in_1SD)
                 return carry, (y_1SD, stats)
 
             if trip_policy is not None:
                 one_row = nn.remat(one_row, policy=trip_policy, prevent_cse=False)
             scan = nn.scan(one_row, variable_broadcast="params", split_rngs={"params": False},
                            in_axes=(0, nn.broadcast), length=k)
-            rows = (x_KSD[:, None], trips(segment_ids_BS), trips(cos_BSP2), trips(sin_BSP2),
-                    tokens_KS[:, None])
+            rows = (x_KSD[:, None], jax.tree.map(lambda t: t[:, None], tiles_KSX),
+                    trips(segment_ids_BS), trips(cos_BSP2), trips(sin_BSP2), tokens_KS[:, None])
             with weights_gathered():
                 _, (y_K1SD, stats_K) = scan(self, None, rows, router_bias_E)
             stats = {key: value.max(axis=0) if key.endswith("max_H") else value.sum(axis=0)
