@@ -1,6 +1,7 @@
 """The cached decoder (model/decode.py): the prompt in one step, then one position per
 step against multi-head latent attention's cache, gives the uncached forward's logits at
-every position — dense and MoE layers, scanned or unrolled, float32 and bfloat16 — and
+every position — dense and MoE layers, scanned or unrolled, float32 and bfloat16, layer
+inputs read exact or as e4m3 copies — and
 caches A + P numbers per token and layer. (Sampling with it: tests/test_sample.py.)"""
 
 import dataclasses
@@ -44,9 +45,14 @@ def cached_logits(cfg, params, bias_LE, tokens_1S, dtype):
     return jnp.stack(out, axis=1), cache
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_every_step_gives_the_uncached_forward_s_logits(tiny_cfg, scan_layers):
-    cfg, params, bias_LE, tokens_1S, full_1SV = setup(tiny_cfg, scan_layers=scan_layers)
+@pytest.mark.parametrize("scan_layers, layer_input_format",
+                         [(True, "compute_dtype"), (False, "compute_dtype"), (True, "e4m3")])
+def test_every_step_gives_the_uncached_forward_s_logits(tiny_cfg, scan_layers,
+                                                        layer_input_format):
+    """(With `e4m3` the layers' branches read e4m3 copies of their inputs, rounded per
+    position: the cached steps must round as the forward does.)"""
+    cfg, params, bias_LE, tokens_1S, full_1SV = setup(tiny_cfg, scan_layers=scan_layers,
+                                                      layer_input_format=layer_input_format)
     assert cfg.n_dense_layers and cfg.n_moe_layers
     got_1TV, cache = cached_logits(cfg, params, bias_LE, tokens_1S, jnp.float32)
     want_1TV = full_1SV[:, PROMPT - 1:]
