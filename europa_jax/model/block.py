@@ -29,8 +29,9 @@ def block_layers(cfg: ModelConfig, is_moe: bool, x_BSD, segment_ids_BS, cos_BSP2
     logit on this device (`attention_logit_max_H`, for QK-clip) and, in MoE blocks, the
     MoE's counts (moe.py). `segment_ids_BS` are attention's (the node's rows under context
     parallelism); `tokens_BS` marks this device's own real tokens (the MoE's sequence
-    balance). The branches read `branch_in_BSD` when given (the row loop makes it once for
-    a device's rows), else what `layer_input.for_branches` makes of `x_BSD`.
+    balance). The branches read `branch_in_BSD` when given (the row loop reads each trip's
+    row from tiles made for all the rows), else what `layer_input.for_branches` makes of
+    `x_BSD`.
     """
     if branch_in_BSD is None:
         x_BSD, branch_in_BSD = layer_input.for_branches(cfg, x_BSD)

@@ -17,7 +17,8 @@ loop"):
    less its layer input), so the backward holds one row's activations at a time.
 
 The layer input is named for the activation policy outside the loop, all k rows at once,
-as without it. With context parallelism a trip takes row r of each of the node's GPUs
+as without it (under `model.layer_input_format: e4m3` its e4m3 tiles are, and each trip
+reads its own row of them: layer_input.py). With context parallelism a trip takes row r of each of the node's GPUs
 (attention sees the node's rows). Stats come back summed over the rows (counts), or
 their maximum (`attention_logit_max_H`).
 
