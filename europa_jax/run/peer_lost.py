@@ -193,6 +193,7 @@ _watch: list[PeerWatch] = []
 def watch_peers(client, process_index: int, process_count: int,
                 heartbeat_timeout_s: float) -> PeerWatch:
     """Start this process's PeerWatch (distributed.start calls it once the job is joined)."""
+    _where.setdefault("process", process_index)  # what `line` names before training starts
     peer_watch = PeerWatch(client, process_index, process_count,
                            limit_s=heartbeat_timeout_s / 2).start()
     _watch.append(peer_watch)
