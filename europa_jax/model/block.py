@@ -37,14 +37,12 @@ def block_layers(cfg: ModelConfig, is_moe: bool, x_BSD, segment_ids_BS, cos_BSP2
         x_BSD, branch_in_BSD = layer_input.for_branches(cfg, x_BSD)
     attn_BSD, logit_max_H = MLAttention(cfg, report_logit_max=True, name="attention")(
         RMSNorm(cfg, name="attention_norm")(branch_in_BSD), segment_ids_BS, cos_BSP2, sin_BSP2)
-    h_branch_BSD = branch_in_BSD + attn_BSD
+    h_branch_BSD, h_BSD = layer_input.after_attention(x_BSD, branch_in_BSD, attn_BSD)
     mlp_in_BSD = RMSNorm(cfg, name="mlp_norm")(h_branch_BSD)
     if is_moe:
         mlp_out_BSD, stats = MoE(cfg, name="moe")(mlp_in_BSD, router_bias_E, tokens_BS)
     else:
         mlp_out_BSD, stats = SwiGLU(cfg, name="mlp")(mlp_in_BSD), {}
-    # The residual stream carries the exact input; the branches may have read a rounded copy.
-    h_BSD = h_branch_BSD if branch_in_BSD is x_BSD else x_BSD + attn_BSD
     return h_BSD + mlp_out_BSD, {**stats, "attention_logit_max_H": logit_max_H}
 
 

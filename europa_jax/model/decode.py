@@ -114,13 +114,12 @@ class CachedBlock(nn.Module):
         attn_BTD, latent_BSA, k_rope_BSP = CachedAttention(cfg, name="attention")(
             RMSNorm(cfg, name="attention_norm")(branch_in_BTD), cos_BTP2, sin_BTP2, latent_BSA,
             k_rope_BSP, start)
-        h_branch_BTD = branch_in_BTD + attn_BTD
+        h_branch_BTD, h_BTD = layer_input.after_attention(x_BTD, branch_in_BTD, attn_BTD)
         mlp_in_BTD = RMSNorm(cfg, name="mlp_norm")(h_branch_BTD)
         if self.is_moe:
             mlp_out_BTD, _ = MoE(cfg, name="moe")(mlp_in_BTD, router_bias_E)
         else:
             mlp_out_BTD = SwiGLU(cfg, name="mlp")(mlp_in_BTD)
-        h_BTD = h_branch_BTD if branch_in_BTD is x_BTD else x_BTD + attn_BTD
         return h_BTD + mlp_out_BTD, (latent_BSA, k_rope_BSP)
 
 

@@ -37,6 +37,14 @@ def for_branches(cfg: ModelConfig, x_BSD: jax.Array) -> tuple[jax.Array, jax.Arr
     return x_BSD, e4m3_copy(x_BSD)
 
 
+def after_attention(x_BSD: jax.Array, branch_in_BSD: jax.Array,
+                    attn_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(what the MLP's branch reads, the residual stream) after attention: the branch goes
+    on from the copy it read, the stream from the exact input. One sum when they are one."""
+    h_branch_BSD = branch_in_BSD + attn_BSD
+    return h_branch_BSD, h_branch_BSD if branch_in_BSD is x_BSD else x_BSD + attn_BSD
+
+
 def e4m3_copy(x_BSD: jax.Array) -> jax.Array:
     """`x` rounded through e4m3 in 1×128 tiles, in its own dtype; the tiles and their scales
     are what the policy keeps. Its derivative is the identity (straight through)."""

@@ -33,7 +33,6 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
 from europa_jax.model import block, layer_input
@@ -72,7 +71,7 @@ def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.
                 with weights_gathered():
                     return block.block_layers(*args)
             if self.cfg.layer_input_format == "compute_dtype":
-                x_KSD = checkpoint_name(x_KSD, layer_input.NAME)
+                x_KSD, _ = layer_input.for_branches(self.cfg, x_KSD)  # named for the policy
                 tiles_KSX = None
             else:  # each trip reads its row's tiles: no rounded copy of all k rows is held
                 tiles_KSX = layer_input.e4m3_tiles(x_KSD)
