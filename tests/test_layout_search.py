@@ -75,3 +75,22 @@ def test_a_varied_key_that_needs_the_derived_layout_is_checked_with_it():
     inside, across = layouts
     assert "two_stage needs an expert axis across nodes" in inside.error
     assert across.error is None and across.derived["model.n_group"] == "2"
+
+
+def test_layouts_at_different_batches_compare_infiniband_per_row():
+    """A row of the table from the europa-952b plan kept in tests/data: one row per
+    device as shipped; the same program at twice the rows per device (what one gather
+    per layer serves) halves its InfiniBand per row, not per step."""
+    from pathlib import Path
+
+    report = json.loads((Path(__file__).parent / "data" / "europa-952b-plan-long-tail.json")
+                        .read_text())
+    one = search.row(search.Layout({}, {}), report)
+    assert one["rows_per_device"] == 1
+    assert one["infiniband_s_per_row"] == one["infiniband_s"] > 30
+    doubled = {**report, "tokens_per_device": 2 * report["tokens_per_device"]}
+    two = search.row(search.Layout({"data.global_batch_size": "768"}, {}), doubled)
+    assert two["rows_per_device"] == 2
+    assert two["infiniband_s_per_row"] == pytest.approx(one["infiniband_s"] / 2)
+    table = search.format_table([one, two], search.fastest_fitting([one, two]))
+    assert " IB/row " in table.splitlines()[0]

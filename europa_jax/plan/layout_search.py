@@ -134,7 +134,11 @@ def row(layout: Layout, report: dict | None) -> dict:
         return {**out, "error": report.get("error") or report["compiled"]["error"]}
     e, per = report["estimate"]["as_compiled"], report["per_device"]
     x = report.get("exchange") or {}
-    return {**out, "mesh": report["mesh"], "fits": report["fits"],
+    # rows of seq_len tokens each device runs per step: what one gather per layer serves
+    rows = report["tokens_per_device"] / report["seq_len"]
+    return {**out, "mesh": report["mesh"], "fits": report["fits"], "rows_per_device": rows,
+            # layouts at different global batches compare per row, not per step
+            "infiniband_s_per_row": e["infiniband_s"] / rows,
             "hbm_bytes": per["hbm_peak_bytes"], "host_bytes": per["host_peak_bytes"],
             "compute_s": e["compute_s"] + e["memory_s"] + e["update_s"],
             "nvlink_s": e["nvlink_s"], "infiniband_s": e["infiniband_s"], "c2c_s": e["c2c_s"],
@@ -162,8 +166,8 @@ def format_table(rows: list[dict], best: dict | None) -> str:
     names = [" ".join(f"{k.split('.')[-1]}={v}" for k, v in r["varied"].items()) for r in rows]
     w = max([len("layout")] + [len(n) for n in names])
     head = (f"{'layout':<{w}} {'data×expert':>11} {'routing':>8} {'fits':>4} {'HBM GB':>7} "
-            f"{'host GB':>7} {'compute':>8} {'NVLink':>7} {'IB':>7} {'of it MoE':>9} {'C2C':>6} "
-            f"{'tok/s/GPU':>9}")
+            f"{'host GB':>7} {'rows':>4} {'compute':>8} {'NVLink':>7} {'IB':>7} {'IB/row':>7} "
+            f"{'of it MoE':>9} {'C2C':>6} {'tok/s/GPU':>9}")
     lines = [head]
     for name, r in zip(names, rows):
         if "error" in r:
@@ -174,12 +178,15 @@ def format_table(rows: list[dict], best: dict | None) -> str:
         lines.append(
             f"{name:<{w}} {r['mesh']['data']:>5}×{r['mesh']['expert']:<5} {routed:>8} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['hbm_bytes'] / 1e9:>7.1f} "
-            f"{r['host_bytes'] / 1e9:>7.1f} {r['compute_s']:>7.1f}s {r['nvlink_s']:>6.1f}s "
-            f"{r['infiniband_s']:>6.1f}s {_seconds(r.get('exchange_infiniband_s')):>9} "
+            f"{r['host_bytes'] / 1e9:>7.1f} {r['rows_per_device']:>4g} {r['compute_s']:>7.1f}s "
+            f"{r['nvlink_s']:>6.1f}s {r['infiniband_s']:>6.1f}s "
+            f"{r['infiniband_s_per_row']:>6.1f}s {_seconds(r.get('exchange_infiniband_s')):>9} "
             f"{r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f}")
     lines.append("routing: topk_group/n_group (a token's copies in at most topk_group of "
-                 "n_group expert groups; a group per node across nodes); compute = compute + "
-                 "memory + update seconds; links overlap with it; of it MoE: the InfiniBand "
+                 "n_group expert groups; a group per node across nodes); rows: seq_len rows "
+                 "per device per step, each layer's weights gathered once for all of them; "
+                 "compute = compute + memory + update seconds; links overlap with it; IB/row: "
+                 "InfiniBand per row of tokens; of it MoE: the InfiniBand "
                  "seconds of the MoE token exchange (its ragged all-to-alls: GPU targets)")
     if best:
         name = ", ".join(f"{k}={v}" for k, v in {**best["derived"], **best["varied"]}.items())
