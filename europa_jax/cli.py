@@ -7,6 +7,7 @@ fixed before jax creates its backends.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import sys
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                       help="a dimension of the --search grid (default: mesh.expert over "
                       "1–16 nodes × model.moe_chunk_tokens whole or a quarter row)")
+    plan.add_argument("--jobs", type=int, default=1, metavar="N",
+                      help="--search: plan N layouts at once (each compile of europa-952b "
+                      "holds ~2.5 GB of RAM and mostly one core)")
 
     prepare = command("prepare", help="tokenize text, JSON lines or Parquet files into a "
                       "training corpus")
@@ -252,14 +256,21 @@ def _plan_search(args: argparse.Namespace, cfg) -> int:
              "--documents", args.documents]
     extra += ["--corpus", args.corpus] if args.corpus else []
     extra += ["--hardware", args.hardware] if args.hardware else []
-    rows = []
-    for layout in search.layouts(args.config, args.set, args.devices, grid):
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: expected a whole number of layouts ≥ 1")
+
+    def planned(layout):
         if not args.json:
             print(f"planning {' '.join(layout.sets) or 'the config as it is'} …",
                   file=sys.stderr, flush=True)
         report = None if layout.error else search.plan_one(args.config, args.set, layout,
                                                            args.devices, extra)
-        rows.append(search.row(layout, report))
+        return search.row(layout, report)
+
+    # the children do the work: threads only wait on them; rows keep the grid's order
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(planned, search.layouts(args.config, args.set, args.devices,
+                                                     grid)))
     best = search.fastest_fitting(rows)
     print(json.dumps({"grid": grid, "layouts": rows, "fastest_fitting": best}, indent=2)
           if args.json else search.format_table(rows, best))

@@ -40,15 +40,21 @@ def test_routing_named_by_the_user_is_kept_and_a_refused_layout_says_why():
     assert "not --devices 384" in short.error
     with pytest.raises(ConfigError, match=r"--vary 'mesh.expert': expected KEY=V1,V2"):
         search.parse_vary(["mesh.expert"])
+    refused = run_plan(cfg_path, "--devices", "384", "--search", "--jobs", "0")
+    assert refused.returncode != 0 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "europa-jax: error: --jobs 0: expected a whole number of layouts ≥ 1")
 
 
 def test_a_search_prints_one_row_per_layout_and_the_fastest_that_fits():
     sets = [a for k, v in TEST_SIZE.items() for a in ("--set", f"{k}={v}")]
     result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--target", "cpu", "--json",
                       "--search", "--vary", "mesh.expert=4,8,3", "--vary",
-                      "model.moe_chunk_tokens=0", *sets, timeout=1500)
+                      "model.moe_chunk_tokens=0", "--jobs", "2", *sets, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
+    # planned two at a time, listed in the grid's order
+    assert [r["varied"]["mesh.expert"] for r in out["layouts"]] == ["4", "8", "3"]
     by_width = {r["varied"]["mesh.expert"]: r for r in out["layouts"]}
     assert "is not divisible by mesh.expert=3" in by_width["3"]["error"]  # never compiled
     inside, across = by_width["4"], by_width["8"]
