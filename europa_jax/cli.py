@@ -261,8 +261,9 @@ def _plan_search(args: argparse.Namespace, cfg) -> int:
 
     def planned(layout):
         if not args.json:
-            print(f"planning {' '.join(layout.sets) or 'the config as it is'} …",
-                  file=sys.stderr, flush=True)
+            # one write per line: the layouts' threads print side by side
+            sys.stderr.write(f"planning {' '.join(layout.sets) or 'the config as it is'} …\n")
+            sys.stderr.flush()
         report = None if layout.error else search.plan_one(args.config, args.set, layout,
                                                            args.devices, extra)
         return search.row(layout, report)
