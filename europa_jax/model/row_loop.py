@@ -50,9 +50,11 @@ def gathered(params: dict, cfg: ModelConfig) -> dict:
     return jax.tree_util.tree_map_with_path(gather, params)
 
 
-def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.Module]:
+def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None,
+                     stack: str) -> type[nn.Module]:
     """The decoder block class whose rows go one at a time (see the module docstring),
-    each trip under `trip_policy` (None: trips saved whole, no memory gained)."""
+    each trip under `trip_policy` (None: trips saved whole, no memory gained); `stack`:
+    the layers' name (`dense_layers`, `moe_layers`), which their gathers' op names carry."""
 
     class RowLoopedBlock(nn.Module):
         ROLE_ROOT = True
@@ -102,11 +104,15 @@ def row_looped_block(cfg: ModelConfig, trip_policy: Callable | None) -> type[nn.
             return y_K1SD[:, 0], stats
 
     return nn.map_variables(RowLoopedBlock, "params",
-                            trans_in_fn=lambda variables: _gather_under_spmd(variables, cfg),
+                            trans_in_fn=lambda variables: _gather_under_spmd(variables, cfg,
+                                                                             stack),
                             init=True, mutable=False)
 
 
-def _gather_under_spmd(variables, cfg: ModelConfig):
+def _gather_under_spmd(variables, cfg: ModelConfig, stack: str):
     if comm.current() is None:  # unsharded use: the block computes as without the loop
         return variables
-    return {collection: gathered(params, cfg) for collection, params in variables.items()}
+    # named as the layers' own gathers are without the loop: the plan tells the first
+    # layers' gathers and last reduce-scatters (the step's fill and drain) by that name
+    with jax.named_scope(stack):
+        return {collection: gathered(params, cfg) for collection, params in variables.items()}

@@ -93,7 +93,7 @@ class Transformer(nn.Module):
             trip = self.row_trip_policy
             if trip is None and self.cfg.remat == "full":
                 trip = jax.checkpoint_policies.nothing_saveable
-            block_cls = row_loop.row_looped_block(self.cfg, trip)
+            block_cls = row_loop.row_looped_block(self.cfg, trip, stack)
         block_cls = under_policy(block_cls, self.cfg, self.remat_policy)
         bias_axis = 0 if is_moe else nn.broadcast
         if self.cfg.scan_layers:
