@@ -104,7 +104,6 @@ def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg, 
     assert two[exchange][1] == pytest.approx(2 * one[exchange][1], rel=0.05)
 
 
-
 def test_the_row_loop_s_gathers_carry_their_layers_name_for_the_plan(tiny_cfg):
     """The plan tells the step's fill and drain (the first layers' gathers and last
     reduce-scatters, which nothing hides: critical_path.py) by the layers' name in the ops'
@@ -131,6 +130,7 @@ def test_the_row_loop_s_gathers_carry_their_layers_name_for_the_plan(tiny_cfg):
     for phase in ("fill", "drain"):
         assert sum(without[phase].values()) > 0, phase
         assert looped[phase] == pytest.approx(without[phase]), phase
+
 
 def test_the_plan_counts_a_row_loop_s_dispatches_and_attention_passes_per_row(tiny_cfg):
     """Under the row loop a layer's MoE dispatches one row's tokens, and its attention
