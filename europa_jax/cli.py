@@ -7,7 +7,6 @@ fixed before jax creates its backends.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import sys
@@ -258,20 +257,9 @@ def _plan_search(args: argparse.Namespace, cfg) -> int:
     extra += ["--hardware", args.hardware] if args.hardware else []
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a whole number of layouts ≥ 1")
-
-    def planned(layout):
-        if not args.json:
-            # one write per line: the layouts' threads print side by side
-            sys.stderr.write(f"planning {' '.join(layout.sets) or 'the config as it is'} …\n")
-            sys.stderr.flush()
-        report = None if layout.error else search.plan_one(args.config, args.set, layout,
-                                                           args.devices, extra)
-        return search.row(layout, report)
-
-    # the children do the work: threads only wait on them; rows keep the grid's order
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(planned, search.layouts(args.config, args.set, args.devices,
-                                                     grid)))
+    rows = search.plan_all(search.layouts(args.config, args.set, args.devices, grid),
+                           args.config, args.set, args.devices, extra, jobs=args.jobs,
+                           progress=None if args.json else sys.stderr)
     best = search.fastest_fitting(rows)
     print(json.dumps({"grid": grid, "layouts": rows, "fastest_fitting": best}, indent=2)
           if args.json else search.format_table(rows, best))

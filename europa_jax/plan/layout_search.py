@@ -14,6 +14,7 @@ only its layout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import load_config
@@ -123,6 +125,23 @@ def plan_one(config: str | Path, sets: list[str], layout: Layout, devices: int,
     except json.JSONDecodeError:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         return {"error": lines[-1]}
+
+
+def plan_all(layouts_: list[Layout], config: str | Path, sets: list[str], devices: int,
+             extra: list[str], *, jobs: int = 1, progress: IO[str] | None = None
+             ) -> list[dict]:
+    """The table's rows of `layouts_`, `jobs` planned at once (a layout the config refused
+    is not planned), in the grid's order; a line on `progress` as each one starts."""
+    def planned(layout: Layout) -> dict:
+        if progress is not None:  # one write per line: the threads print side by side
+            progress.write(f"planning {' '.join(layout.sets) or 'the config as it is'} …\n")
+            progress.flush()
+        report = None if layout.error else plan_one(config, sets, layout, devices, extra)
+        return row(layout, report)
+
+    # the child processes do the work: the threads only wait on them
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(planned, layouts_))
 
 
 def row(layout: Layout, report: dict | None) -> dict:
