@@ -360,7 +360,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _export(args) -> int:
-    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.saved_checkpoints import CheckpointError
     from europa_jax.interop.export import export, parse_size
 
     try:

@@ -125,12 +125,12 @@ def split_padding(padded, shape):
 
 def saved_state(run_dir, step=None):
     """Leaf key → array of a checkpoint (the last one by default)."""
-    from europa_jax.run import checkpoint
+    from europa_jax.run import saved_checkpoints
 
-    step = step if step is not None else checkpoint.committed_steps(run_dir)[-1]
-    step_dir = checkpoint.checkpoint_dir(run_dir) / str(step)
-    keys = checkpoint.read_meta(step_dir)["fingerprint"]
-    return {k: checkpoint.open_saved_array(step_dir, k).read().result()
+    step = step if step is not None else saved_checkpoints.committed_steps(run_dir)[-1]
+    step_dir = saved_checkpoints.checkpoint_dir(run_dir) / str(step)
+    keys = saved_checkpoints.read_meta(step_dir)["fingerprint"]
+    return {k: saved_checkpoints.open_saved_array(step_dir, k).read().result()
             for k in keys if k.startswith("params.") or k == "router_bias_LE"}
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from europa_jax.config import CheckpointConfig, MeshConfig
 from europa_jax.parallel import sharding
-from europa_jax.run import checkpoint, exit_codes, loop, run_lock
+from europa_jax.run import checkpoint, exit_codes, loop, run_lock, saved_checkpoints
 from europa_jax.run.save_outcome import save_error, SaveFailed, SaveOutcome
 from europa_jax.train import train
 from conftest import REPO, config_path, process_env
@@ -80,7 +80,7 @@ def wait_for_step(proc, run_dir, step, timeout=300):
 
 def saved_params(run_dir, step):
     step_dir = checkpoint.checkpoint_dir(run_dir) / str(step)
-    meta = checkpoint.read_meta(step_dir)
+    meta = saved_checkpoints.read_meta(step_dir)
     return {key: checkpoint.open_saved_array(step_dir, key).read().result()
             for key in meta["fingerprint"] if key.startswith("params.")}
 
@@ -134,7 +134,7 @@ def test_sigterm_finishes_the_step_saves_exits_for_requeue_and_resumes(
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == exit_codes.PREEMPTED, err[-3000:]
     (saved,) = checkpoint.committed_steps(tmp_path)
-    meta = checkpoint.read_meta(checkpoint.checkpoint_dir(tmp_path) / str(saved))
+    meta = saved_checkpoints.read_meta(checkpoint.checkpoint_dir(tmp_path) / str(saved))
     assert meta["reason"] == "preempted" and saved >= 3
     assert len(metrics(tmp_path)) == saved  # the step in flight finished, nothing after it
     rc, _, err = run_cli(tmp_path, cli_env, "checkpoint.every_steps=0")
@@ -360,7 +360,7 @@ def test_two_processes_agree_on_the_step_when_only_one_is_signalled(
     step_dir = checkpoint.checkpoint_dir(tmp_path) / str(saved)
     assert sorted(p.name for p in (step_dir / "data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
-    assert checkpoint.read_meta(step_dir)["reason"] == "preempted"
+    assert saved_checkpoints.read_meta(step_dir)["reason"] == "preempted"
     assert len(metrics(tmp_path)) == saved
     procs = start_two_processes(tmp_path, cli_env, "checkpoint.every_steps=0")
     errs = [p.communicate(timeout=600)[1] for p in procs]
@@ -543,10 +543,10 @@ def test_fingerprint_is_sharding_independent_and_sees_one_bit(small):
     single = jax.device_put(jax.device_get(state.params), jax.devices()[0])
     assert checkpoint.fingerprint(single) == fp
     host = np.asarray(jax.device_get(state.params["final_norm"]["scale"]))
-    assert checkpoint.host_bit_sum(host) == fp["final_norm.scale"]
+    assert saved_checkpoints.host_bit_sum(host) == fp["final_norm.scale"]
     flipped = host.copy()
     flipped.view(np.uint32)[3] ^= 1
-    assert checkpoint.host_bit_sum(flipped) != fp["final_norm.scale"]
+    assert saved_checkpoints.host_bit_sum(flipped) != fp["final_norm.scale"]
 
 
 def test_a_failed_background_save_is_reported_cleaned_up_and_the_next_one_works(small, tmp_path):

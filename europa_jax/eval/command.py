@@ -24,7 +24,7 @@ from pathlib import Path
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import apply_overrides, from_dict
 from europa_jax.data.corpus import DataError
-from europa_jax.run import checkpoint, exit_codes
+from europa_jax.run import exit_codes, saved_checkpoints
 
 # what --set may change: where and how wide the forward runs, never the model
 LAYOUT_KEYS = ("mesh.", "train.eval_tasks_seq_len")
@@ -42,8 +42,8 @@ def task_names(spec: str) -> list[str]:
 def checkpoint_config(run_dir: str | Path, step: int | None, overrides: list[str]
                       ) -> tuple[Path, dict, Config]:
     """(the step's directory, its metadata, the run's config with `overrides`)."""
-    step_dir = checkpoint.step_dir_of(run_dir, step, "evaluate")
-    meta = checkpoint.read_meta(step_dir)
+    step_dir = saved_checkpoints.step_dir_of(run_dir, step, "evaluate")
+    meta = saved_checkpoints.read_meta(step_dir)
     for item in overrides:
         if not item.split("=", 1)[0].strip().startswith(LAYOUT_KEYS):
             raise ConfigError(f"--set {item}: only the layout may change for an evaluation "
@@ -96,7 +96,7 @@ def run(args) -> int:
         result = evaluate_checkpoint(
             args.run_dir, task_names(args.tasks), step=args.step, tasks_dir=args.tasks_dir,
             limit=args.limit, tokenizer=args.tokenizer, overrides=args.set)
-    except (ConfigError, DataError, checkpoint.CheckpointError) as e:
+    except (ConfigError, DataError, saved_checkpoints.CheckpointError) as e:
         print(f"europa-jax: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return exit_codes.BAD_INPUT

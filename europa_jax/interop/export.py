@@ -1,6 +1,6 @@
 """`europa-jax export`: a checkpoint → Hugging Face DeepSeek-V3 safetensors, streamed.
 
-Export reads the checkpoint's arrays straight from disk (checkpoint.open_saved_array), one
+Export reads the checkpoint's arrays straight from disk (saved_checkpoints.open_saved_array), one
 layer — for expert stacks one block of experts — at a time, and writes each output file as
 soon as its tensors are ready. A host therefore holds at most one output file (bounded by
 `--max-shard-size`) plus the blocks being converted, never the model, and needs no
@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.interop import hf_layout, hf_tokenizer_files
-from europa_jax.run import checkpoint, run_lock
+from europa_jax.run import run_lock, saved_checkpoints
 from europa_jax.train import train
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,10 @@ class CheckpointReader:
 
     def store(self, key: str):
         if key not in self.stores:
-            self.stores[key] = checkpoint.open_saved_array(self.step_dir, key)
+            self.stores[key] = saved_checkpoints.open_saved_array(self.step_dir, key)
             saved = tuple(self.stores[key].shape)
             if saved != tuple(self.expected_shapes[key]):
-                raise checkpoint.CheckpointError(
+                raise saved_checkpoints.CheckpointError(
                     f"{self.step_dir}: {key} has shape {list(saved)} but its config implies "
                     f"{list(self.expected_shapes[key])}")
         return self.stores[key]
@@ -110,7 +110,7 @@ class CheckpointReader:
 
     def _read(self, key: str, index) -> np.ndarray:
         x = self.store(key)[index].read().result()
-        self.sums[key] = (self.sums.get(key, 0) + checkpoint.host_bit_sum(x)) % 2**32
+        self.sums[key] = (self.sums.get(key, 0) + saved_checkpoints.host_bit_sum(x)) % 2**32
         self.counts[key] = self.counts.get(key, 0) + x.size
         return x
 
@@ -132,7 +132,7 @@ class CheckpointReader:
         """Every fully read array must match the fingerprint taken when it was saved."""
         for key, total in self.sums.items():
             if self.counts[key] == math.prod(self.shape(key)) and self.expected.get(key) != total:
-                raise checkpoint.CheckpointError(
+                raise saved_checkpoints.CheckpointError(
                     f"{self.step_dir}: {key} does not match its saved fingerprint (corrupted "
                     "checkpoint); export another --step")
 
@@ -162,8 +162,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of: {', '.join(DTYPES)}")
     run_lock.check_free(out_dir)  # --overwrite must not replace a run that is going
-    step_dir = checkpoint.step_dir_of(run_dir, step, "export")
-    meta = checkpoint.read_meta(step_dir)
+    step_dir = saved_checkpoints.step_dir_of(run_dir, step, "export")
+    meta = saved_checkpoints.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])
     # before anything is written: a missing or changed tokenizer file is an error
     tok, no_tokenizer = hf_tokenizer_files.run_tokenizer(cfg, tokenizer)

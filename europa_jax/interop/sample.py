@@ -33,7 +33,7 @@ from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.data.corpus import DataError
 from europa_jax.interop import hf_tokenizer_files
-from europa_jax.run import checkpoint, exit_codes
+from europa_jax.run import exit_codes, saved_checkpoints
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -64,17 +64,17 @@ def read_parameters(run_dir: str | Path, step: int | None = None
                     ) -> tuple[Config, dict, np.ndarray, int]:
     """(config, nested parameters, router bias [L, E], step) of a checkpoint, as host
     arrays in their stored shapes, each checked against its saved fingerprint."""
-    step_dir = checkpoint.step_dir_of(run_dir, step, "sample from", SampleError)
-    meta = checkpoint.read_meta(step_dir)
+    step_dir = saved_checkpoints.step_dir_of(run_dir, step, "sample from", SampleError)
+    meta = saved_checkpoints.read_meta(step_dir)
     cfg: Config = from_dict(Config, meta["config"])
     params: dict = {}
     bias = None
     for key, expected in meta["fingerprint"].items():
         if not (key.startswith("params.") or key == param_table.ROUTER_BIAS.key):
             continue
-        value = checkpoint.open_saved_array(step_dir, key).read().result()
-        if checkpoint.host_bit_sum(value) != expected:
-            raise checkpoint.CheckpointError(
+        value = saved_checkpoints.open_saved_array(step_dir, key).read().result()
+        if saved_checkpoints.host_bit_sum(value) != expected:
+            raise saved_checkpoints.CheckpointError(
                 f"{step_dir}: {key} does not match its saved fingerprint (corrupted "
                 "checkpoint); sample another --step")
         if key == param_table.ROUTER_BIAS.key:
@@ -86,7 +86,7 @@ def read_parameters(run_dir: str | Path, step: int | None = None
             node = node.setdefault(p, {})
         node[leaf] = value
     if bias is None:
-        raise checkpoint.CheckpointError(
+        raise saved_checkpoints.CheckpointError(
             f"{step_dir}: no {param_table.ROUTER_BIAS.key} in the checkpoint")
     return cfg, params, bias, int(meta["step"])
 
@@ -240,7 +240,7 @@ def run(args) -> int:
     """The `sample` command: args has run_dir, prompt, max_new_tokens, temperature, seed,
     step (and optionally json, tokenizer). Prints the generated text (then, with --json,
     one JSON line); a bad input is one line on stderr and exit code 2."""
-    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.saved_checkpoints import CheckpointError
 
     max_new = getattr(args, "max_new_tokens", None)
     try:

@@ -21,7 +21,8 @@ happens: `outcome` reports it once every process knows, after removing its tempo
 directory, and the loop applies `checkpoint.on_save_error` (loop.SaveGuard).
 
 Restore targets the *current* trainer's shardings, so a run saved on a 2×4 mesh resumes on
-4×2 or 1×8 (Orbax reads each device's slice from whatever chunks hold it).
+4×2 or 1×8 (Orbax reads each device's slice from whatever chunks hold it). Commands that
+only read a checkpoint (export, sample, eval) go through `saved_checkpoints.py` instead.
 """
 
 from __future__ import annotations
@@ -38,37 +39,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from europa_jax import param_table
-from europa_jax.config import Config, ConfigError, ModelConfig
+from europa_jax.config import Config, ModelConfig
 from europa_jax.config_loader import to_dict
 from europa_jax.run import distributed
+# the run's on-disk checkpoints as this module writes them (its API: `checkpoint.X`)
+from europa_jax.run.saved_checkpoints import (CORRUPT_SUBDIR, CheckpointError,
+                                              IncompatibleCheckpoint, checkpoint_dir,
+                                              committed_steps, leaf_key, open_saved_array)
 from europa_jax.run.save_outcome import (DONE, FAILED, remove_failed_save, save_error,
                                          SaveFailed, SaveOutcome, WRITING)
 from europa_jax.train.train import Trainer, TrainState
 
-CHECKPOINT_SUBDIR = "checkpoints"
-CORRUPT_SUBDIR = "corrupt_checkpoints"
-
 Log = Callable[..., None]
 
 
-class CheckpointError(Exception):
-    """A checkpoint problem a user must look at; the message is one line."""
-
-
-class IncompatibleCheckpoint(CheckpointError):
-    """The checkpoint is intact but was made for another model shape."""
-
-
 # ----------------------------------------------------------------------------- fingerprints
-
-
-def leaf_key(path) -> str:
-    """Orbax's name for a tree leaf ('params.moe_layers.moe.w_gate'): its storage key too."""
-    return ".".join(param_table.key_names(path))
 
 
 def _bit_sum(x: jax.Array) -> jax.Array:
@@ -86,12 +74,6 @@ def fingerprint(tree: Any) -> dict[str, int]:
     sums = jax.device_get(_bit_sums(tree))
     return {leaf_key(path): int(value)
             for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
-
-
-def host_bit_sum(x: np.ndarray) -> int:
-    """`fingerprint` of one host array (or a slice of one: partial sums add mod 2^32)."""
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
-    return int(np.ascontiguousarray(x).view(unsigned).sum(dtype=np.uint64) % 2**32)
 
 
 # ----------------------------------------------------------------------------- per-process JSON
@@ -149,10 +131,6 @@ class Restored:
     state: TrainState
     data_state: dict | None
     meta: dict
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINT_SUBDIR
 
 
 class Checkpointer:
@@ -367,51 +345,3 @@ def check_compatible(step_dir: Path, meta: dict, model: ModelConfig, abstract: T
         raise IncompatibleCheckpoint(
             f"{step_dir}: {problem} (saved with {'; '.join(differ) or 'the same model config'}); "
             "use a new run directory for a new model")
-
-
-# ----------------------------------------------------------------------------- reading without devices
-
-
-def committed_steps(run_dir: str | Path) -> list[int]:
-    """Committed steps, oldest first (temporary dirs of unfinished saves are not steps)."""
-    directory = checkpoint_dir(run_dir)
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def step_dir_of(run_dir: str | Path, step: int | None, purpose: str,
-                error: type[Exception] = ConfigError) -> Path:
-    """The directory of committed checkpoint `step` of a run (None: the latest), for a
-    command that reads one (`purpose`: "export", "sample from", "evaluate"); a missing run
-    directory, no checkpoint or another step is one line, raised as `error`."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise error(f"{run_dir}: no such run directory")
-    steps = committed_steps(run_dir)
-    if not steps:
-        raise error(f"{checkpoint_dir(run_dir)}: no checkpoint to {purpose}")
-    if step is not None and step not in steps:
-        raise error(f"--step {step}: not a checkpoint of {run_dir} (have {steps})")
-    return checkpoint_dir(run_dir) / str(steps[-1] if step is None else step)
-
-
-def read_meta(step_dir: Path) -> dict:
-    return json.loads((step_dir / "meta" / "metadata").read_text())
-
-
-def open_saved_array(step_dir: Path, key: str) -> ts.TensorStore:
-    """One array of a saved `state` as a lazy TensorStore: slices read only their chunks.
-
-    Export uses this to stream a checkpoint layer by layer on any host, without devices
-    and without loading the model. The format (zarr inside OCDBT) is what Orbax declares
-    in the item's `_METADATA`; anything else is refused rather than misread.
-    """
-    item = step_dir / "state"
-    layout = json.loads((item / "_METADATA").read_text())
-    if not layout.get("use_ocdbt", False):
-        raise CheckpointError(f"{item}: expected an OCDBT checkpoint (Orbax default)")
-    driver = "zarr3" if layout.get("use_zarr3") else "zarr"
-    spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{item.absolute()}",
-                                         "path": key}}
-    return ts.open(spec, read=True).result()

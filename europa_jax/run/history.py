@@ -17,7 +17,7 @@ import datetime
 import json
 from pathlib import Path
 
-from europa_jax.run.checkpoint import CORRUPT_SUBDIR
+from europa_jax.run.saved_checkpoints import CORRUPT_SUBDIR
 
 START_OVER_FLAG = "--start-over"
 

@@ -16,7 +16,7 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
                        ) -> int:
     """Train (loop.train) and map the outcome to an `exit_codes` value."""
     from europa_jax.run import peer_lost
-    from europa_jax.run.checkpoint import CheckpointError
+    from europa_jax.run.saved_checkpoints import CheckpointError
     from europa_jax.run.history import HistoryWouldBeLost
     from europa_jax.run.loop import NonFiniteStop, train
     from europa_jax.run.preemption import Preempted
