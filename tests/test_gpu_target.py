@@ -411,6 +411,10 @@ def test_plan_command_reports_the_gpu_program_as_json():
     assert rng["low"]["step_s"] >= rng["expected"]["step_s"] >= rng["high"]["step_s"] > 0
     assert e["tokens_per_s_per_gpu"] == pytest.approx(rng["expected"]["tokens_per_s_per_gpu"])
     assert e["calibration"].startswith("assumed") and "overlap" in e["overlap_model"]
+    # the same step with its links free (step_time.ceilings): what fewer bytes could buy
+    for case, row in rng.items():
+        assert (e["ceilings"]["links_free"][case]["step_s"]
+                <= e["ceilings"]["infiniband_free"][case]["step_s"] <= row["step_s"])
     # what the overlap model leaves out, read off the program: each line priced and sourced
     lines = e["lines"]
     assert lines["kernel_launches"]["count"] > 100 and lines["update_exchange"]["seconds"][

@@ -97,6 +97,39 @@ def test_the_estimate_is_a_range_and_keeps_the_stable_keys():
     assert e["mfu_overlapped"] == pytest.approx(3e16 / e["step_overlapped_s"] / GH.bf16_flops)
 
 
+def test_the_ceilings_price_the_same_step_with_its_links_free():
+    """InfiniBand free takes its bytes off the overlapped link, the in-layer exchanges and
+    the serial phases, and leaves NVLink's; both links free leave the compute stream."""
+    w = work(dense_gemms=(("o", 7168, 4e16, 0.0),), memory_bytes=4e13, infiniband_bytes=1e13,
+             nvlink_bytes=2e12, launches=1e5,
+             in_layer_exchange_bytes=(3e11, 5e10), update_exchange_bytes=(1e10, 2e10),
+             fill_drain_bytes=(4e10, 6e10))
+    e = step_time.estimate(w, GH, tokens_per_device=65536.0, model_flops=3e16)
+    for case in hardware.CASES:
+        s = step_time.price(w, GH, case)
+        compute = (sum(s[k] for k in step_time.COMPUTE) + s["kernel_launches"]
+                   + s["loop_trip_syncs"])
+        nvlink_pair = GH.nvlink_bandwidth(w.nvlink_peers) * GH.nvlink.at(case)
+        keep = GH.overlap_compute.at(case)
+        # NVLink's seconds less its serial phases' beside the compute stream, which waits
+        # for the in-layer exchange's NVLink part; the serial phases at their NVLink part
+        links = (2e12 - 1e10 - 4e10) / nvlink_pair
+        chain = compute + 3e11 / nvlink_pair
+        stream = chain / keep if chain <= links * keep else chain + links * (1 - keep)
+        expected_ib_free = max(stream, links) + (1e10 + 4e10) / nvlink_pair
+        ceilings = e["ceilings"]
+        assert ceilings["infiniband_free"][case]["step_s"] == pytest.approx(expected_ib_free)
+        assert ceilings["links_free"][case]["step_s"] == pytest.approx(compute)
+        assert (ceilings["links_free"][case]["tokens_per_s_per_gpu"]
+                >= ceilings["infiniband_free"][case]["tokens_per_s_per_gpu"]
+                > e["range"][case]["tokens_per_s_per_gpu"])
+    # a step with nothing on InfiniBand is its own InfiniBand-free ceiling
+    lone = work(dense_gemms=(("o", 7168, 4e16, 0.0),), nvlink_bytes=2e12)
+    lone_e = step_time.estimate(lone, GH, tokens_per_device=65536.0, model_flops=3e16)
+    assert lone_e["ceilings"]["infiniband_free"]["expected"]["step_s"] == pytest.approx(
+        lone_e["range"]["expected"]["step_s"])
+
+
 def test_a_curve_interpolates_in_log_size_and_is_flat_beyond_its_ends():
     curve = Curve(points=((100, Efficiency(low=0.1, expected=0.2, high=0.3, source="a")),
                           (10000, Efficiency(low=0.5, expected=0.6, high=0.7, source="b"))))

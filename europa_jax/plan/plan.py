@@ -273,7 +273,7 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         done = step_time.estimate(work(pairs, rows, **kw), machine,
                                   tokens_per_device=tokens / n_dev, model_flops=flops_of_model)
         return {k: v for k, v in done.items()
-                if k not in ("by_class", "range", "gemms", "lines")}, done
+                if k not in ("by_class", "range", "gemms", "lines", "ceilings")}, done
 
     as_compiled, priced = estimate("expected", charged, model_flops)
     worst_case, worst_priced = estimate("worst_case", charged,
@@ -333,6 +333,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
             # what the overlap model leaves out, each with its source (step_time.py)
             "lines": priced["lines"],
             "range": priced["range"],
+            # the same step with InfiniBand, or both links, free: what fewer bytes can buy
+            "ceilings": priced["ceilings"],
             # the GEMM shapes and windows that take longest, each with its efficiency
             "gemms": priced["gemms"],
             "overlap_model": step_time.OVERLAP_MODEL,

@@ -228,7 +228,19 @@ def _step_table(r: dict[str, Any]) -> list[str]:
               f"{rng['expected']['tokens_per_s_per_gpu']:,.0f} (MFU "
               f"{rng['low']['mfu']:.1%} – {rng['high']['mfu']:.1%})",
               f"  overlap model: {e['overlap_model']}"]
+    lines += _ceilings(e.get("ceilings"))
     return lines
+
+
+def _ceilings(ceilings: dict | None) -> list[str]:
+    """The step with InfiniBand, or both links, free (step_time.ceilings)."""
+    if not ceilings:
+        return []
+    label = {"infiniband_free": "InfiniBand free", "links_free": "NVLink and InfiniBand free"}
+    return [f"  tokens/s/GPU with {label[name]}: {c['low']['tokens_per_s_per_gpu']:,.0f} – "
+            f"{c['high']['tokens_per_s_per_gpu']:,.0f}, expected "
+            f"{c['expected']['tokens_per_s_per_gpu']:,.0f} (fewer bytes cannot pass this)"
+            for name, c in ceilings.items()]
 
 
 LINE_LABELS = {"tf32_gemms": "float32 GEMMs in TF32 (in dense)",

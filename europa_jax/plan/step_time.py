@@ -57,6 +57,8 @@ CLASSES = COMPUTE + ("host_copy",) + LINKS
 CHAIN = ("kernel_launches", "loop_trip_syncs", "in_layer_exchange")
 SERIAL = ("update_exchange", "fill_drain")
 LINES = CHAIN + SERIAL
+# the lines priced from (NVLink, InfiniBand) bytes: StepWork's `<name>_bytes`
+PRICED_EXCHANGES = ("in_layer_exchange", "update_exchange", "fill_drain")
 FLASH_BACKWARD_PER_FORWARD = 2.5  # FlashAttention's convention: equal head dims
 
 
@@ -223,9 +225,33 @@ def estimate(work: StepWork, hw: Hardware, *, tokens_per_device: float, model_fl
               "tokens_per_s_per_gpu_serial": tokens_per_device / serial,
               "mfu_overlapped": model_flops / overlapped / hw.bf16_flops}
     return {**legacy, "by_class": by_class, "range": step_range,
+            "ceilings": ceilings(work, hw, tokens_per_device=tokens_per_device),
             "lines": _lines(work, hw, by_case),
             "gemms": {"dense_gemm": _largest(work.dense_gemms, hw.dense_gemm, hw),
                       "grouped_gemm": _largest(work.grouped_gemms, hw.grouped_gemm, hw)}}
+
+
+def ceilings(work: StepWork, hw: Hardware, *, tokens_per_device: float) -> dict[str, dict]:
+    """What cutting communication can buy at most: the same step priced again with
+    InfiniBand free (no byte between nodes costs anything: the overlapped link, its part of
+    the in-layer exchanges and of the serial phases), and with both links free (the compute
+    stream with its launches and loop trips alone). A change that only moves fewer bytes
+    cannot pass these; only less work on the SMs can."""
+    free = {"infiniband_free": dataclasses.replace(
+                work, infiniband_bytes=0.0,
+                **{f"{name}_bytes": (getattr(work, f"{name}_bytes")[0], 0.0)
+                   for name in PRICED_EXCHANGES}),
+            "links_free": dataclasses.replace(
+                work, infiniband_bytes=0.0, nvlink_bytes=0.0,
+                **{f"{name}_bytes": (0.0, 0.0) for name in PRICED_EXCHANGES})}
+    out = {}
+    for name, freed in free.items():
+        out[name] = {}
+        for case in CASES:
+            step = max(1e-12, step_seconds(price(freed, hw, case), hw.overlap_compute.at(case),
+                                           _serial_links(freed, hw, case)))
+            out[name][case] = {"step_s": step, "tokens_per_s_per_gpu": tokens_per_device / step}
+    return out
 
 
 def _serial_links(work: StepWork, hw: Hardware, case: str) -> tuple[float, float]:
@@ -274,7 +300,7 @@ def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
                 "seconds"][case] = value
     out["kernel_launches"]["count"] = work.launches
     out["loop_trip_syncs"]["count"] = work.loop_trips
-    for name in ("in_layer_exchange", "update_exchange", "fill_drain"):
+    for name in PRICED_EXCHANGES:
         nvlink, between = getattr(work, f"{name}_bytes")
         out[name].update(nvlink_bytes=nvlink, infiniband_bytes=between)
     covered_nvlink, covered_between = work.in_layer_covered_bytes
