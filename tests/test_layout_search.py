@@ -98,5 +98,9 @@ def test_layouts_at_different_batches_compare_infiniband_per_row():
     two = search.row(search.Layout({"data.global_batch_size": "768"}, {}), doubled)
     assert two["rows_per_device"] == 2
     assert two["infiniband_s_per_row"] == pytest.approx(one["infiniband_s"] / 2)
+    # and what fewer bytes could buy it: the plan's InfiniBand-free ceiling
+    assert one["infiniband_free_tokens_per_s_per_gpu"] == report["estimate"]["ceilings"][
+        "infiniband_free"]["expected"]["tokens_per_s_per_gpu"] > one["tokens_per_s_per_gpu"]
     table = search.format_table([one, two], search.fastest_fitting([one, two]))
-    assert " IB/row " in table.splitlines()[0]
+    assert " IB/row " in table.splitlines()[0] and table.splitlines()[0].endswith(" IB free")
+    assert table.splitlines()[1].endswith(f"{one['infiniband_free_tokens_per_s_per_gpu']:,.0f}")

@@ -168,6 +168,9 @@ def row(layout: Layout, report: dict | None) -> dict:
             "tokens_per_s_per_gpu": e["tokens_per_s_per_gpu_overlapped"],
             "worst_case_tokens_per_s_per_gpu":
                 report["estimate"]["worst_case"]["tokens_per_s_per_gpu_overlapped"],
+            # what fewer bytes could buy this layout at most (step_time.ceilings)
+            "infiniband_free_tokens_per_s_per_gpu": (report["estimate"].get("ceilings") or {})
+                .get("infiniband_free", {}).get("expected", {}).get("tokens_per_s_per_gpu"),
             "destinations": x.get("expected_destinations"),
             "routing": x.get("routing")}
 
@@ -181,12 +184,16 @@ def _seconds(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}s"
 
 
+def _tokens(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
 def format_table(rows: list[dict], best: dict | None) -> str:
     names = [" ".join(f"{k.split('.')[-1]}={v}" for k, v in r["varied"].items()) for r in rows]
     w = max([len("layout")] + [len(n) for n in names])
     head = (f"{'layout':<{w}} {'data×expert':>11} {'routing':>8} {'fits':>4} {'HBM GB':>7} "
             f"{'host GB':>7} {'rows':>4} {'compute':>8} {'NVLink':>7} {'IB':>7} {'IB/row':>7} "
-            f"{'of it MoE':>9} {'C2C':>6} {'tok/s/GPU':>9}")
+            f"{'of it MoE':>9} {'C2C':>6} {'tok/s/GPU':>9} {'IB free':>9}")
     lines = [head]
     for name, r in zip(names, rows):
         if "error" in r:
@@ -200,13 +207,16 @@ def format_table(rows: list[dict], best: dict | None) -> str:
             f"{r['host_bytes'] / 1e9:>7.1f} {r['rows_per_device']:>4g} {r['compute_s']:>7.1f}s "
             f"{r['nvlink_s']:>6.1f}s {r['infiniband_s']:>6.1f}s "
             f"{r['infiniband_s_per_row']:>6.1f}s {_seconds(r.get('exchange_infiniband_s')):>9} "
-            f"{r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f}")
+            f"{r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f} "
+            f"{_tokens(r.get('infiniband_free_tokens_per_s_per_gpu')):>9}")
     lines.append("routing: topk_group/n_group (a token's copies in at most topk_group of "
                  "n_group expert groups; a group per node across nodes); rows: seq_len rows "
                  "per device per step, each layer's weights gathered once for all of them; "
                  "compute = compute + memory + update seconds; links overlap with it; IB/row: "
                  "InfiniBand per row of tokens; of it MoE: the InfiniBand "
-                 "seconds of the MoE token exchange (its ragged all-to-alls: GPU targets)")
+                 "seconds of the MoE token exchange (its ragged all-to-alls: GPU targets); "
+                 "IB free: tokens/s/GPU of the same step with InfiniBand free, what fewer "
+                 "bytes could buy at most")
     if best:
         name = ", ".join(f"{k}={v}" for k, v in {**best["derived"], **best["varied"]}.items())
         lines.append(f"fastest that fits: {name} — {best['tokens_per_s_per_gpu']:,.0f} "
