@@ -134,7 +134,7 @@ def test_sigterm_finishes_the_step_saves_exits_for_requeue_and_resumes(
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == exit_codes.PREEMPTED, err[-3000:]
     (saved,) = checkpoint.committed_steps(tmp_path)
-    meta = saved_checkpoints.read_meta(checkpoint.checkpoint_dir(tmp_path) / str(saved))
+    meta = saved_checkpoints.read_meta(saved_checkpoints.checkpoint_dir(tmp_path) / str(saved))
     assert meta["reason"] == "preempted" and saved >= 3
     assert len(metrics(tmp_path)) == saved  # the step in flight finished, nothing after it
     rc, _, err = run_cli(tmp_path, cli_env, "checkpoint.every_steps=0")

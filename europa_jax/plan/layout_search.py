@@ -169,8 +169,8 @@ def row(layout: Layout, report: dict | None) -> dict:
             "worst_case_tokens_per_s_per_gpu":
                 report["estimate"]["worst_case"]["tokens_per_s_per_gpu_overlapped"],
             # what fewer bytes could buy this layout at most (step_time.ceilings)
-            "infiniband_free_tokens_per_s_per_gpu": (report["estimate"].get("ceilings") or {})
-                .get("infiniband_free", {}).get("expected", {}).get("tokens_per_s_per_gpu"),
+            "infiniband_free_tokens_per_s_per_gpu": report["estimate"]["ceilings"][
+                "infiniband_free"]["expected"]["tokens_per_s_per_gpu"],
             "destinations": x.get("expected_destinations"),
             "routing": x.get("routing")}
 
@@ -182,10 +182,6 @@ def fastest_fitting(rows: list[dict]) -> dict | None:
 
 def _seconds(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}s"
-
-
-def _tokens(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f}"
 
 
 def format_table(rows: list[dict], best: dict | None) -> str:
@@ -208,7 +204,7 @@ def format_table(rows: list[dict], best: dict | None) -> str:
             f"{r['nvlink_s']:>6.1f}s {r['infiniband_s']:>6.1f}s "
             f"{r['infiniband_s_per_row']:>6.1f}s {_seconds(r.get('exchange_infiniband_s')):>9} "
             f"{r['c2c_s']:>5.1f}s {r['tokens_per_s_per_gpu']:>9,.0f} "
-            f"{_tokens(r.get('infiniband_free_tokens_per_s_per_gpu')):>9}")
+            f"{r['infiniband_free_tokens_per_s_per_gpu']:>9,.0f}")
     lines.append("routing: topk_group/n_group (a token's copies in at most topk_group of "
                  "n_group expert groups; a group per node across nodes); rows: seq_len rows "
                  "per device per step, each layer's weights gathered once for all of them; "
