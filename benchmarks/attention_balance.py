@@ -3,7 +3,7 @@
     python benchmarks/attention_balance.py [--batches 100] [--json OUT]
 
 europa-952b at 384 GPUs (96 nodes × 4, one 65,536-token row per GPU): global batches of
-the long-tailed document model (plan/attention_cost.py, the one benchmarks/data_balance.py
+the long-tailed document model (plan/price/attention_cost.py, the one benchmarks/data_balance.py
 uses) cut from a shuffled stream and laid out by the real balancer — ranks balanced on
 their own, or nodes balanced as units when the node's GPUs share its rows' attention
 (`model.attention_context_parallel`). Reported for both: attention cost (Σ L²) max/mean
@@ -27,7 +27,7 @@ def main() -> None:
 
     from europa_jax.config_loader import load_config
     from europa_jax.model import flops
-    from europa_jax.plan import attention_cost, documents
+    from europa_jax.plan.price import attention_cost, documents
 
     cfg = load_config(Path(__file__).parent.parent / "configs/europa-952b.yaml")
     m = cfg.model

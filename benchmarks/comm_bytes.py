@@ -4,8 +4,8 @@
         [--set mesh.devices_per_node=2 …]
 
 1. Lowers the step with weight gathers in fp32, bf16 and fp8 (gradient reductions in fp32,
-   bf16, bf16) and reads every collective from the HLO (europa_jax.plan.hlo_report), the
-   part of each that crosses nodes (mesh.devices_per_node GPUs a node; plan/links.py) apart.
+   bf16, bf16) and reads every collective from the HLO (europa_jax.plan.program.hlo_report), the
+   part of each that crosses nodes (mesh.devices_per_node GPUs a node; plan/program/links.py) apart.
 2. Runs a few real steps with and without group-limited routing (n_group = expert axis,
    topk_group = 2) and reports the MoE token rows that leave a device — what the ragged
    exchange on GPU sends, with per-device deduplication — against one row per remote copy
@@ -22,7 +22,7 @@ import json
 def lowered_collectives(cfg):
     import jax
 
-    from europa_jax.plan import hlo_report
+    from europa_jax.plan.program import hlo_report
     from europa_jax.parallel import sharding
     from europa_jax.train import train
 
@@ -65,8 +65,8 @@ def main() -> None:
     import jax
 
     from europa_jax.config_loader import load_config
-    from europa_jax.model import moe_dispatch
-    from europa_jax.plan import hlo_report
+    from europa_jax.model.experts import moe_dispatch
+    from europa_jax.plan.program import hlo_report
 
     cfg = load_config(args.config, args.set)
     jax.config.update("jax_num_cpu_devices", cfg.mesh.n_devices)

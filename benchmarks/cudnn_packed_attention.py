@@ -30,7 +30,7 @@ import sys
 
 def probe(seq: int, heads: int, documents: int) -> list[str]:
     """The custom-call targets of the compiled forward+backward (raises if it fails)."""
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     gpu_target.prepare_process()
     import jax

@@ -35,8 +35,8 @@ VOCAB = 262_144
 
 
 def document_lengths(n: int, seed: int = 0) -> np.ndarray:
-    """The long-tailed stress mix the plan can price attention with (plan/documents.py)."""
-    from europa_jax.plan.documents import long_tail_lengths
+    """The long-tailed stress mix the plan can price attention with (plan/price/documents.py)."""
+    from europa_jax.plan.price.documents import long_tail_lengths
 
     return long_tail_lengths(n, seed)
 

@@ -1,4 +1,4 @@
-"""The document-length models of plan/documents.py, and where the Dolma model's spread
+"""The document-length models of plan/price/documents.py, and where the Dolma model's spread
 comes from.
 
     python benchmarks/document_lengths.py [--json OUT]
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    from europa_jax.plan import documents
+    from europa_jax.plan.price import documents
 
     out = {"fits": {name: fit_sigma(counts) for name, counts in MEASURED.items()},
            "used_sigma": documents.DOLMA_SIGMA,

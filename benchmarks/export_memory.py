@@ -43,7 +43,7 @@ print(json.dumps({**summary, "peak_rss_growth_bytes": peak[0] - baseline}))
 def save_initial_state(config: str, overrides: list[str], run_dir: Path) -> int:
     import jax
 
-    from europa_jax.run import checkpoint
+    from europa_jax.store import checkpoint
     from europa_jax.parallel import sharding
     from europa_jax.train import train
     from europa_jax.config_loader import load_config

@@ -1,4 +1,4 @@
-"""How far FP8 GEMMs (model/fp8_gemm.py: DeepSeek-V3's e4m3 recipe) land from BF16 ones,
+"""How far FP8 GEMMs (model/fp8/fp8_gemm.py: DeepSeek-V3's e4m3 recipe) land from BF16 ones,
 per class of GEMM, on the real activations and weights of a trained checkpoint.
 
     python benchmarks/fp8_gemm_error.py RUN_DIR [--step N] [--rows R] [--json OUT]
@@ -20,7 +20,7 @@ import dataclasses
 import json
 import sys
 
-from europa_jax.run import jax_start
+from europa_jax.job import jax_start
 
 jax_start.default_to_cpu_without_driver()
 
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from europa_jax import param_table  # noqa: E402
 from europa_jax.data import sources  # noqa: E402
 from europa_jax.interop.sample import read_parameters, sampling_model_config  # noqa: E402
-from europa_jax.model import fp8_gemm  # noqa: E402
+from europa_jax.model.fp8 import fp8_gemm  # noqa: E402
 from europa_jax.model.transformer import Transformer  # noqa: E402
 
 # (class, the RMSNorm whose output is the input, the weights that take it)

@@ -1,7 +1,7 @@
-"""gpu_check.py's calibration: the efficiencies plan/hardware.py assumes, measured on one
+"""gpu_check.py's calibration: the efficiencies plan/price/hardware.py assumes, measured on one
 GPU at europa-952b's per-GPU shapes and written as `europa-jax plan --hardware` reads them.
 
-Each class of kernel the plan prices (europa_jax/plan/step_time.py) at what it measures:
+Each class of kernel the plan prices (europa_jax/plan/price/step_time.py) at what it measures:
 - `dense_gemm`: the model's dense GEMMs at 65,536 tokens — q_a, q_b, kv_a, kv_b, o, the
   shared expert, the router (all 384 experts' scores) and an LM-head chunk of 4,096 rows
   — one point per smallest dimension (the plan's curve is by it);
@@ -33,7 +33,7 @@ from gpu_regimes import (_impl, attention_inputs, grouped_passes, grouped_regime
                          model_attention)
 from gpu_shared import one_line
 
-C2C_BANDWIDTH = 450e9  # per direction (europa_jax/plan/hardware.py [jsc])
+C2C_BANDWIDTH = 450e9  # per direction (europa_jax/plan/price/hardware.py [jsc])
 # HBM peaks by device kind (vendor datasheets; gpu_target.TARGETS); a GH200 with more
 # than 100 GB for XLA is the 144 GB HBM3e part.
 HBM_PEAK = (("GH200", 4.0e12), ("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12))
@@ -143,11 +143,11 @@ def hbm_peak(device) -> float:
 
 def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, repeats: int,
               flops_peak: float) -> dict:
-    """Time every program and turn the times into the calibration plan/hardware.py reads.
+    """Time every program and turn the times into the calibration plan/price/hardware.py reads.
     A class that fails records its error; the others still count."""
     from europa_jax.model import flash_backward
     from europa_jax.model.attention import LIBRARY_SEQ_MULTIPLE, backward_chunk_for
-    from europa_jax.plan import step_time
+    from europa_jax.plan.price import step_time
 
     device = mesh.devices.flat[0]
     peaks = {"bf16_flops": flops_peak, "hbm_bandwidth": hbm_peak(device),

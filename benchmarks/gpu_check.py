@@ -24,7 +24,7 @@ this GPU's experts under even routing:
 6. the calibration (gpu_calibration.py): each class of kernel the plan prices, measured
    at europa-952b's shapes and written under "calibration" in the JSON, so that
    `europa-jax plan CONFIG --devices N --hardware gpu_check.json` replaces the assumed
-   efficiencies of plan/hardware.py by these.
+   efficiencies of plan/price/hardware.py by these.
 Each part reports its own error instead of stopping the others (e.g. out of memory).
 
 Before any of that, where no GPU is present, every function above is compiled for one
@@ -143,7 +143,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
     """Compile `program` for the mesh's compile-only GPU at its inputs' shapes."""
     import jax
 
-    from europa_jax.plan import gpu_program, gpu_target
+    from europa_jax.plan.program import gpu_program, gpu_target
 
     start = time.perf_counter()
     specs = tuple(jax.tree.map(lambda s, i=i: jax.ShapeDtypeStruct(
@@ -169,7 +169,7 @@ def compile_for_target(program: Program, mesh, cfg) -> dict:
 
 def compile_checks(cfg, tokens: int, smoke: bool, target_name: str) -> dict:
     """Every check's programs compiled for one GPU of `target_name`."""
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     missing = gpu_target.missing_toolchain()
     if missing:
@@ -277,7 +277,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="gpu_check.json", help="where the results go")
@@ -355,7 +355,7 @@ def main() -> None:
             build["documents"](mesh), model, tokens, mesh, args.repeats))
         section(results, "fp8_dot", lambda: gpu_regimes.check_fp8(
             build["fp8_dot"](mesh), tokens, smoke, mesh, args.repeats))
-        # the efficiencies plan/hardware.py assumes, as `europa-jax plan --hardware` reads
+        # the efficiencies plan/price/hardware.py assumes, as `europa-jax plan --hardware` reads
         # them (without a GPU: against a GH200's peak, at tiny shapes — it measures nothing)
         section(results, "calibration", lambda: gpu_calibration.calibrate(
             build["calibration"](mesh), cfg, tokens, mesh, smoke, args.repeats,

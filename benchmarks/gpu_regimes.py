@@ -2,7 +2,7 @@
 in, and what they cost besides matmuls: the programs, their timing, a profile split.
 
 - `moe_received`: one device's routed experts (the library path in windows,
-  model/expert_windows.py) on the rows an expert-parallel-4 device receives in one
+  model/experts/expert_windows.py) on the rows an expert-parallel-4 device receives in one
   dispatch of 65,536 tokens — R = 4 · C rows (C = moe_dispatch.exchange_capacity) of 8
   slots, filled as uniform routing fills them — forward+backward, traced by jax.profiler:
   matmul kernels' time and the rest (memory-bound: gathers, scatters, SwiGLU, converts)
@@ -43,7 +43,7 @@ GROUPED_BUFFER_ROWS, GROUPED_FILLED_ROWS = 131072, 32768
 
 def received_layout(model, tokens: int) -> dict:
     """The rows and copies one device of expert-parallel 4 receives in one dispatch."""
-    from europa_jax.model import moe_dispatch
+    from europa_jax.model.experts import moe_dispatch
 
     capacity, _ = moe_dispatch.exchange_capacity(tokens, model, EXPERT_AXIS)
     rows = EXPERT_AXIS * capacity
@@ -64,8 +64,8 @@ def moe_received_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Pr
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model import moe
-    from europa_jax.model.expert_matmul import compute_local_experts
+    from europa_jax.model.experts import moe
+    from europa_jax.model.experts.expert_matmul import compute_local_experts
 
     lay = received_layout(model, tokens)
     e, d, f, u = model.n_routed_experts, model.d_model, model.expert_ffn_dim, model.top_k
@@ -113,7 +113,7 @@ def grouped_passes(model, impl: str, rows: int, filled: int, experts: int, *, pr
     import jax
     import jax.numpy as jnp
 
-    from europa_jax.model import expert_windows
+    from europa_jax.model.experts import expert_windows
 
     d, f = model.d_model, model.expert_ffn_dim
     mm, contract = expert_windows.matmul_kernel(impl), expert_windows.contract_kernel(impl)
@@ -136,7 +136,7 @@ def grouped_passes(model, impl: str, rows: int, filled: int, experts: int, *, pr
 def grouped_regime_shapes(model, tokens: int, impl: str = "tokamax") -> dict:
     """Rows, filled rows and experts of the two grouped-matmul regimes (the smoke size
     shrinks the buffer with the tokens)."""
-    from europa_jax.model import expert_windows, moe
+    from europa_jax.model.experts import expert_windows, moe
 
     e = model.n_routed_experts
     scale = tokens / 65536

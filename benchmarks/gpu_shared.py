@@ -51,7 +51,7 @@ def run_as_a_rank() -> None:
     launch/env.sh gives a rank and the GPU compile assumes (a variable already set wins):
     the compiled program is the timed one, and its HBM is checked against that share.
     jax's own share, 0.75, leaves an H100 64 GB, about what the layer needs."""
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     if not os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):  # jax refuses both names
         os.environ.setdefault("XLA_CLIENT_MEM_FRACTION",

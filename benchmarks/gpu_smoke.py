@@ -111,7 +111,7 @@ def run_steps(config_overrides: list[str], steps: int) -> dict:
 
     from europa_jax.config_loader import load_config
     from europa_jax.parallel import sharding
-    from europa_jax.plan import gpu_program
+    from europa_jax.plan.program import gpu_program
     from europa_jax.run.loop import device_batches, host_batch_iterator
     from europa_jax.train.train import build_trainer, init_state, jit_train_step
 

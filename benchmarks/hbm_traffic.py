@@ -6,7 +6,7 @@ and after against another revision, both read by this tree's counter.
 
 Each tree compiles the config's train step for its GPU mesh (deviceless, as `europa-jax
 plan --target gh200`), in a process of its own, and writes the optimized HLO; this tree's
-`europa_jax/plan/hbm_traffic.py` reads every program, so the counts compare programs, not
+`europa_jax/plan/program/hbm_traffic.py` reads every program, so the counts compare programs, not
 counters. `--against REV` checks REV out into a temporary git worktree and compiles its
 own copy of the config (a config of this repository: as REV ships it; another path: the
 same file) with the same `--set`s (a key REV lacks is an error there). Loops whose
@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run in a tree's own checkout: its code compiles the step; prints nothing but errors.
 COMPILE = """
 import os, sys, time
-from europa_jax.plan import gpu_target
+from europa_jax.plan.program import gpu_target
 gpu_target.prepare_process()
 from europa_jax.plan import plan as plan_lib
 os.environ["XLA_FLAGS"] = plan_lib.compile_only_xla_flags(os.environ.get("XLA_FLAGS", ""))
 import jax
 jax.config.update("jax_num_cpu_devices", 1)
 from europa_jax.config_loader import load_config
-from europa_jax.plan import gpu_program
+from europa_jax.plan.program import gpu_program
 from europa_jax.train import train
 cfg = load_config(sys.argv[1], sys.argv[3:])
 mesh = gpu_program.plan_mesh(cfg, "gh200")
@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from europa_jax.plan import hbm_traffic
+    from europa_jax.plan.program import hbm_traffic
 
     config = Path(args.config).resolve()
     results = {}

@@ -35,7 +35,8 @@ def step_hlo(factor: float) -> str:
 
     from europa_jax.config_loader import load_config
     from europa_jax.train.train import build_trainer, init_state, jit_train_step
-    from europa_jax.run import distributed, loop
+    from europa_jax.job import distributed
+    from europa_jax.run import loop
 
     cfg = load_config(REPO / "configs/tiny-cpu.yaml",
                       [*TINY, f"train.straggler_factor={factor}"])

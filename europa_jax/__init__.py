@@ -2,9 +2,9 @@
 GH200 clusters.
 
 The package is a core (`config` with `config_model`, `config_train` and `config_checks`,
-`config_loader`, `param_table`, `cli`) and eight wings, each importing only the core and
-the wings before it: data, parallel < model < train < plan < run < interop < eval
-(README, "What is here").
+`config_loader`, `param_table`, `cli`) and its wings, each importing only the core and the
+wings before it: data, parallel < model < train < plan < job < store, records < interop <
+eval < run (docs/architecture.md).
 
 Shape suffixes — one legend for the whole project. A tensor's name ends in the letters of
 its dimensions, in order (`x_BSD`, `w_up_EDF`, `cos_BSP2`); einsum strings use the same
@@ -43,7 +43,7 @@ letters in lower case where they can.
 import time as _time
 
 # When this process began running europa-jax: every import after this one (jax, flax,
-# orbax) is the try's start-up (run/timeline.py). Not the kernel's start time: a shell
+# orbax) is the try's start-up (records/timeline.py). Not the kernel's start time: a shell
 # runs the last command of `pip install -e . && europa-jax train …` in its own process
 # (exec without fork), whose start is the shell's, before the install.
 STARTED_AT = _time.time()

@@ -14,8 +14,8 @@ import sys
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.data.corpus import DataError
-from europa_jax.run import exit_codes, jax_start, logs
-from europa_jax.run.distributed import StartError
+from europa_jax.job import exit_codes, jax_start, logs
+from europa_jax.job.distributed import StartError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--documents", default="dolma", choices=["dolma", "long-tail"],
                       help="the document-length model attention is priced on without "
                       "--corpus: Dolma's measured mix (default) or the long-tailed stress "
-                      "case (plan/documents.py)")
+                      "case (plan/price/documents.py)")
     plan.add_argument("--compare", choices=["recipe"],
                       help="plan our layout and the recipe's (no context parallelism, "
                       "block-skipping attention both passes) on both document models and "
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                       "config's depth")
     plan.add_argument("--hardware", metavar="GPU_CHECK_JSON",
                       help="efficiencies measured by benchmarks/gpu_check.py (its JSON's "
-                      "calibration) in place of the cited assumptions of plan/hardware.py")
+                      "calibration) in place of the cited assumptions of plan/price/hardware.py")
     plan.add_argument("--search", action="store_true",
                       help="plan a grid of layouts (each in its own process) and print one "
                       "table and the fastest that fits (plan/layout_search.py)")
@@ -208,7 +208,8 @@ def _plan(args: argparse.Namespace, cfg) -> int:
     if args.target != "cpu" and probes:
         raise ConfigError("--probe-moe-layers: only for --target cpu (a GPU target "
                           "compiles the whole depth in about a minute)")
-    from europa_jax.plan import gpu_target, hardware  # import no jax
+    from europa_jax.plan.program import gpu_target  # import no jax
+    from europa_jax.plan.price import hardware
 
     machine = hardware.GH200_JUPITER
     if args.hardware:  # a bad file is refused before anything compiles
@@ -283,7 +284,7 @@ def _error(e: Exception) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from europa_jax.run import report
+    from europa_jax.records import report
 
     try:
         summary = report.write_report(args.run_dir, args.out)
@@ -326,8 +327,8 @@ def _main(argv: list[str] | None) -> int:
         cfg = load_config(args.config, args.set)
         if args.command == "import":
             from europa_jax.interop.hf_import import import_hf
-            from europa_jax.run import distributed
-            from europa_jax.run.save_outcome import SaveFailed
+            from europa_jax.job import distributed
+            from europa_jax.store.save_outcome import SaveFailed
 
             distributed.start(cfg.mesh)  # every process reads and saves its own shards
             try:
@@ -347,7 +348,7 @@ def _main(argv: list[str] | None) -> int:
             report["muon_fraction"] = optim.muon_fraction(cfg.model)
             print(json.dumps(report, indent=2))
             return exit_codes.OK
-        from europa_jax.run import distributed
+        from europa_jax.job import distributed
 
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
         return run_training(cfg, args.run_dir, start_over=args.start_over)
@@ -360,7 +361,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _export(args) -> int:
-    from europa_jax.run.saved_checkpoints import CheckpointError
+    from europa_jax.store.saved_checkpoints import CheckpointError
     from europa_jax.interop.export import export, parse_size
 
     try:

@@ -78,7 +78,7 @@ class CommConfig:
     expert_exchange_dtype: Literal["fp8", "bf16", "fp32"] = "fp32"
     # An expert axis across nodes: `direct` sends a token's row to each GPU of its experts
     # (over InfiniBand for GPUs of other nodes); `two_stage` once to each node of its
-    # experts, then over the node's NVLink (model/node_dispatch.py).
+    # experts, then over the node's NVLink (model/experts/node_dispatch.py).
     expert_dispatch: Literal["direct", "two_stage"] = "direct"
 
 

@@ -64,7 +64,7 @@ class ModelConfig:
     router_bias_update_rate: float = 1e-3
     # The complementary sequence-wise balance loss (DeepSeek-V3 §2.1.2, eq. 17-20): α ×
     # Σ_i f_i·P_i per sequence, averaged over the batch's sequences, summed over MoE layers
-    # (model/moe.py sequence_balance). 0 = off; DeepSeek-V3 used 1e-4.
+    # (model/experts/moe.py sequence_balance). 0 = off; DeepSeek-V3 used 1e-4.
     seq_aux_loss_weight: float = 0.0
     # Multi-token prediction (DeepSeek-V3 §2.2): this many sequential MTP modules after the
     # main model, module k predicting t_{i+k+1} (the token k after the next) from the
@@ -104,7 +104,7 @@ class ModelConfig:
     # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
     grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
                             "ragged_dot"] = "auto"
-    # FP8 for the weight GEMMs, forward and backward (model/fp8_linear.py; docs/open-
+    # FP8 for the weight GEMMs, forward and backward (model/fp8/fp8_linear.py; docs/open-
     # questions.md): `tensor` = e4m3 operands (e5m2 gradients) with one power-of-two scale
     # per tensor, what XLA's GPU compiler runs as cuBLASLt FP8 GEMMs on Hopper; `block` =
     # DeepSeek-V3's 1×128 / 128×128 scales, emulated (a numerics study: on a GPU no faster
@@ -118,11 +118,11 @@ class ModelConfig:
     # it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None
     # Dropless buffers are sized at this multiple of their expected fill under uniform
-    # routing (model/moe.py): rows per peer of the exchange, copies per expert window.
+    # routing (model/experts/moe.py): rows per peer of the exchange, copies per expert window.
     # What does not fit goes in an overflow round (exchange) or window (experts): exact.
     moe_buffer_factor: float = 1.25
     # Library grouped matmuls visit the local experts this many at a time, each group's
-    # copies in windows (model/expert_windows.py); 0 = the fewest groups whose window is
+    # copies in windows (model/experts/expert_windows.py); 0 = the fewest groups whose window is
     # at most 65,536 copies. Must divide the local experts.
     moe_expert_groups: int = 0
     # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless

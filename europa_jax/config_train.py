@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from europa_jax.config_checks import ConfigError, positive
 
-# The places `train.trackers` may send logged scalars to (run/trackers.py builds them).
+# The places `train.trackers` may send logged scalars to (records/trackers.py builds them).
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -47,18 +47,18 @@ class TrainConfig:
     # piece, with 1/microbatches of the activations and a weight gather per piece.
     microbatches: int = 1
     # Where logged scalars go besides metrics.jsonl (always written: the run's record), from
-    # process 0 (run/trackers.py): TensorBoard event files in the run directory, and/or a
+    # process 0 (records/trackers.py): TensorBoard event files in the run directory, and/or a
     # Weights & Biases run (the `wandb` extra), offline unless WANDB_MODE says otherwise.
     trackers: tuple[str, ...] = ("tensorboard",)
-    # Stragglers (run/stragglers.py): a process whose own time for a step exceeds this ×
+    # Stragglers (records/stragglers.py): a process whose own time for a step exceeds this ×
     # the median for `straggler_steps` logged steps in a row is an event (0: not measured).
     straggler_factor: float = 1.5
     straggler_steps: int = 3
-    # The hang watchdog (run/watchdog.py): no progress for this long dumps every thread's
+    # The hang watchdog (job/watchdog.py): no progress for this long dumps every thread's
     # stack and exits for requeue. 0: 10 × the median step time, at least 600 s.
     hang_watchdog: bool = True
     hang_timeout_s: float = 0.0
-    # JAX's persistent compilation cache (run/compile_cache.py): "" is JAX_COMPILATION_CACHE_DIR
+    # JAX's persistent compilation cache (store/compile_cache.py): "" is JAX_COMPILATION_CACHE_DIR
     # when set, else <run_dir>/compile_cache; "none" turns it off.
     compile_cache_dir: str = ""
 

@@ -28,7 +28,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # buffers against HBM, cannot meet that, and recomputes kernels for nothing (under this
 # file's schedule at 200 %: the expert windows' fusions three times over, 1.0 GB off the
 # HBM peak, 3.1 s of memory-bound kernels added per europa-952b step, by the plan).
-# `europa-jax plan --target gh200` compiles with exactly these options (plan/gpu_target.py).
+# `europa-jax plan --target gh200` compiles with exactly these options (plan/program/gpu_target.py).
 europa_xla_flags=(
   --xla_gpu_enable_latency_hiding_scheduler=true
   --xla_gpu_enable_highest_priority_async_stream=true

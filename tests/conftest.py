@@ -125,7 +125,7 @@ def split_padding(padded, shape):
 
 def saved_state(run_dir, step=None):
     """Leaf key → array of a checkpoint (the last one by default)."""
-    from europa_jax.run import saved_checkpoints
+    from europa_jax.store import saved_checkpoints
 
     step = step if step is not None else saved_checkpoints.committed_steps(run_dir)[-1]
     step_dir = saved_checkpoints.checkpoint_dir(run_dir) / str(step)
@@ -201,11 +201,11 @@ def first_batch_and_initial_state(cfg):
 
 def gh200_program_text(fn, *args) -> str:
     """The optimized HLO of `jax.jit(fn)` on `args` (shapes) compiled for 4 GH200s of one
-    node, replicated (plan/gpu_target.py): what a GPU would run, compiled without one."""
+    node, replicated (plan/program/gpu_target.py): what a GPU would run, compiled without one."""
     import jax
     import numpy as np
 
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     devices = gpu_target.topology(gpu_target.TARGETS["gh200"], 4)
     mesh = jax.sharding.Mesh(np.array(devices), ("gpus",))

@@ -1,4 +1,4 @@
-"""The plan's attention pricing (plan/attention_cost.py): batches cut from a document
+"""The plan's attention pricing (plan/price/attention_cost.py): batches cut from a document
 stream as the pipeline cuts them, laid out by the real balancer, the slowest rank or node."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 
 from europa_jax.config import MeshConfig
 from europa_jax.data.corpus import CorpusWriter
-from europa_jax.plan import attention_cost, documents
+from europa_jax.plan.price import attention_cost, documents
 from conftest import config_path
 
 S = 64
@@ -149,7 +149,7 @@ def test_the_backward_loops_are_priced_at_the_trips_the_documents_make():
     """The plan prices the memory-bound kernels of the attention backward's pair loop at
     the trips the document model gives (as its FLOPs), not at one document per row."""
     from europa_jax.config_loader import load_config
-    from europa_jax.plan import gpu_program
+    from europa_jax.plan.program import gpu_program
 
     cfg = load_config(config_path("europa-952b.yaml"))
     s, chunk = cfg.data.seq_len, cfg.model.attention_backward_chunk

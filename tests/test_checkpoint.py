@@ -24,8 +24,10 @@ import pytest
 
 from europa_jax.config import CheckpointConfig, MeshConfig
 from europa_jax.parallel import sharding
-from europa_jax.run import checkpoint, exit_codes, loop, run_lock, saved_checkpoints
-from europa_jax.run.save_outcome import save_error, SaveFailed, SaveOutcome
+from europa_jax.store import checkpoint, run_lock, saved_checkpoints
+from europa_jax.job import exit_codes
+from europa_jax.run import loop
+from europa_jax.store.save_outcome import save_error, SaveFailed, SaveOutcome
 from europa_jax.train import train
 from conftest import REPO, config_path, process_env
 
@@ -187,7 +189,7 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
 
 
 def test_a_second_ctrl_c_quits_at_once():
-    from europa_jax.run.preemption import StopRequests
+    from europa_jax.job.preemption import StopRequests
     before = signal.getsignal(signal.SIGINT)
     with StopRequests() as stop:
         os.kill(os.getpid(), signal.SIGINT)
@@ -279,7 +281,7 @@ def disk_bytes(path):
 # a small tmpfs cannot be mounted: a test-only fault, not a hook in the package.
 FAULT_DRIVER = """
 import errno, sys
-from europa_jax.run import checkpoint
+from europa_jax.store import checkpoint
 save = checkpoint.ProcessJsonHandler.save
 def save_or_fail(self, directory, args):
     if directory.parent.name.split(".")[0] == "4":
@@ -645,7 +647,7 @@ def test_a_save_reported_failed_after_its_commit_is_set_aside(small, tmp_path):
 def test_asyncio_s_unretrieved_failures_of_a_failed_save_are_dropped_whatever_their_kind():
     """One per array still being written when a save fails: Task, Future or, when several
     writes were gathered, _GatheringFuture (each with a traceback)."""
-    from europa_jax.run import logs
+    from europa_jax.job import logs
 
     noise = logs._LibraryNoise()
 

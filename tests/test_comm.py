@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from europa_jax.config import CommConfig, MeshConfig
-from europa_jax.model.moe import MoE
+from europa_jax.model.experts.moe import MoE
 from europa_jax.parallel import comm, layout, sharding
-from europa_jax.plan import hlo_report
+from europa_jax.plan.program import hlo_report
 from europa_jax.train import train
 from test_moe import dense_reference
 

@@ -18,7 +18,7 @@ from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import rope_tables
 from europa_jax.parallel import comm, sharding
-from europa_jax.plan import hlo_report
+from europa_jax.plan.program import hlo_report
 from test_comm import BATCH, ctx_for, lowered_step_hlo, mesh  # noqa: F401 - fixture
 
 S = 64

@@ -1,11 +1,12 @@
-"""What the step waits for besides its kernels' work (plan/critical_path.py): the phase of
+"""What the step waits for besides its kernels' work (plan/price/critical_path.py): the phase of
 each collective of the GPU program, the trips of its data-dependent loops, and the lines
-the estimate adds for them (plan/step_time.py)."""
+the estimate adds for them (plan/price/step_time.py)."""
 
 import pytest
 
-from europa_jax.plan import critical_path, hardware, hlo_program, step_time
-from europa_jax.plan.hlo_report import Collective
+from europa_jax.plan.price import critical_path, hardware, step_time
+from europa_jax.plan.program import hlo_program
+from europa_jax.plan.program.hlo_report import Collective
 from test_step_time import work
 
 GH = hardware.GH200_JUPITER

@@ -12,11 +12,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from europa_jax.config import ConfigError, MeshConfig
-from europa_jax.model import moe_dispatch
-from europa_jax.model.moe import route
+from europa_jax.model.experts import moe_dispatch
+from europa_jax.model.experts.moe import route
 from europa_jax.parallel import sharding
-from europa_jax.plan import hardware, hlo_report, links, plan, step_time, step_work
-from europa_jax.plan.step_compile import collective_numbers
+from europa_jax.plan.price import hardware, step_time, step_work
+from europa_jax.plan.program import hlo_report, links
+from europa_jax.plan import plan
+from europa_jax.plan.program.step_compile import collective_numbers
 from test_comm import ROUTINGS, _moe_fn, assert_gradients_match_dense, ctx_for, moe_setup
 from test_moe import dense_reference
 from conftest import config_path
@@ -223,7 +225,8 @@ def test_the_plan_prices_a_two_stage_exchange_by_the_nodes_a_token_visits():
     node visited. Its first stage's ragged exchange (all between nodes) is charged at the
     nodes' fill, the second at round 0's."""
     from europa_jax.config_loader import load_config
-    from europa_jax.plan import exchange, gpu_program
+    from europa_jax.plan.price import exchange
+    from europa_jax.plan.program import gpu_program
 
     sets = ["mesh.data=6", "mesh.expert=64", "mesh.allow_cross_node_experts=true",
             "model.n_group=16", "model.topk_group=4", "model.moe_chunk_tokens=16384"]

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, config_path, process_env
 from europa_jax.config import check_device_count, ConfigError, MeshConfig
-from europa_jax.run import distributed
+from europa_jax.job import distributed
 
 SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8",
               "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -109,7 +109,7 @@ def test_expert_groups_name_nodes_and_processes():
 COLLECTIVE_LOOP = """
 import sys
 from jax.experimental import multihost_utils
-from europa_jax.run import distributed
+from europa_jax.job import distributed
 from europa_jax.config import MeshConfig
 distributed.start(MeshConfig(data=2, expert=4))
 multihost_utils.process_allgather(1)
@@ -120,7 +120,7 @@ while True:
 
 MESH_DRIVER = """
 import json
-from europa_jax.run import distributed
+from europa_jax.job import distributed
 from europa_jax.config import MeshConfig
 mesh_cfg = MeshConfig(data=2, expert=4)
 distributed.start(mesh_cfg)
@@ -200,7 +200,7 @@ def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
 def test_when_a_peer_dies_the_survivor_exits_at_its_next_collective_or_the_heartbeat():
     # Which comes first is gloo's: mostly the survivor's next collective fails at once;
     # sometimes its device threads stay in a gloo receive (7 of 40 local tries), and then
-    # PeerWatch (run/peer_lost.py) finds the peer silent for half the heartbeat limit and
+    # PeerWatch (job/peer_lost.py) finds the peer silent for half the heartbeat limit and
     # requeues (exit 75), or else the coordination service ends it when the heartbeat
     # lapses. Either way it exits on its own, non-zero, within the heartbeat set for the job
     # (not the 300 s shutdown barrier).

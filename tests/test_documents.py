@@ -1,10 +1,10 @@
-"""The document-length models the plan prices attention on (plan/documents.py): Dolma's
+"""The document-length models the plan prices attention on (plan/price/documents.py): Dolma's
 measured mix by default, the long-tailed stress case by name."""
 
 import numpy as np
 import pytest
 
-from europa_jax.plan import documents
+from europa_jax.plan.price import documents
 
 
 def test_the_dolma_model_has_each_sources_measured_mean_and_share():

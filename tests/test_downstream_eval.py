@@ -21,8 +21,8 @@ from europa_jax.config import ConfigError  # noqa: E402
 from europa_jax.config_loader import load_config  # noqa: E402
 from europa_jax.eval import command, harness, packing  # noqa: E402
 from europa_jax.eval.task_files import absolute_paths, load_tasks, TaskError  # noqa: E402
-from europa_jax.run import exit_codes  # noqa: E402
-from europa_jax.run.watchdog import HangWatchdog  # noqa: E402
+from europa_jax.job import exit_codes  # noqa: E402
+from europa_jax.job.watchdog import HangWatchdog  # noqa: E402
 from conftest import config_path  # noqa: E402
 from test_export_tokenizer import cli, TINY, train_run  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_cli_scores_equal_lm_eval_simple_evaluate_on_the_export(cli_result, hflm
 def test_training_with_all_of_it_logged_the_scores_and_report_draws_them(run_dir, cli_result):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from europa_jax.run.report import write_report
+    from europa_jax.records.report import write_report
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
                if line]

@@ -10,7 +10,7 @@ import pytest
 
 from europa_jax.config import ConfigError
 from europa_jax.model import kernels
-from europa_jax.model.expert_windows import windowed_experts
+from europa_jax.model.experts.expert_windows import windowed_experts
 
 R, U, D, F, E = 40, 3, 8, 6, 6
 

@@ -23,7 +23,8 @@ from europa_jax.config_loader import load_config
 from europa_jax.interop import hf_import
 from europa_jax.interop.export import export
 from europa_jax.model.transformer import Transformer
-from europa_jax.run import checkpoint, exit_codes
+from europa_jax.store import checkpoint
+from europa_jax.job import exit_codes
 from conftest import REPO, config_path, nested_params, rows_with_documents, saved_state, split_padding
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.

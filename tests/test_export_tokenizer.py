@@ -15,7 +15,8 @@ from europa_jax.data import prepare
 from europa_jax.data.corpus import DataError
 from europa_jax.data.tokenizer import BYTE_EOS_ID, ByteTokenizer, HuggingFaceTokenizer
 from europa_jax.interop.export import export
-from europa_jax.run import checkpoint, exit_codes
+from europa_jax.store import checkpoint
+from europa_jax.job import exit_codes
 from conftest import REPO, config_path
 
 # tiny-cpu (YaRN, group-limited routing, shared expert) at conftest.tiny_cfg's dimensions

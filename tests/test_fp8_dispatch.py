@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from europa_jax.model.moe_dispatch import Layout
+from europa_jax.model.experts.moe_dispatch import Layout
 from europa_jax.parallel import comm, fp8_rows
-from europa_jax.plan import exchange, hlo_report
+from europa_jax.plan.price import exchange
+from europa_jax.plan.program import hlo_report
 from test_comm import BATCH, _moe_fn, ctx_for, mesh, moe_setup  # noqa: F401 (mesh: a fixture)
 from test_moe import dense_reference
 
@@ -113,7 +114,7 @@ def test_the_gh200_program_dispatches_in_e4m3_and_combines_in_bf16(tiny_cfg):
     cfg = gpu_cfg(tiny_cfg)
     cfg = dataclasses.replace(cfg, comm=dataclasses.replace(
         cfg.comm, expert_exchange="ragged", expert_exchange_dtype="fp8"))
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     found = [c for c in hlo_report.collectives(optimized_text(cfg), mesh)

@@ -1,4 +1,4 @@
-"""The FP8 GEMM emulation (model/fp8_gemm.py) against a float64 reference of the same
+"""The FP8 GEMM emulation (model/fp8/fp8_gemm.py) against a float64 reference of the same
 block-scaled product — forward and both backward GEMMs — and against the unquantized
 product within e4m3's resolution."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from europa_jax.model import fp8_gemm
+from europa_jax.model.fp8 import fp8_gemm
 
 SHAPES = [(64, 256, 384), (32, 96, 128), (130, 128, 64)]  # chunks of 128 and narrower dims
 

@@ -1,5 +1,5 @@
-"""The grouped FP8 kernels (model/fp8_grouped_kernel.py) run by jax's Mosaic GPU interpreter
-on CPU against the block-scaled emulation (model/fp8_gemm.py) — the forward, the backward's
+"""The grouped FP8 kernels (model/fp8/fp8_grouped_kernel.py) run by jax's Mosaic GPU interpreter
+on CPU against the block-scaled emulation (model/fp8/fp8_gemm.py) — the forward, the backward's
 dx and the weight gradient — and compiled for GH200."""
 
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
-from europa_jax.model import fp8_gemm
-from europa_jax.model.fp8_grouped_kernel import (fp8_grouped_matmul, fp8_grouped_weight_grad,
+from europa_jax.model.fp8 import fp8_gemm
+from europa_jax.model.fp8.fp8_grouped_kernel import (fp8_grouped_matmul, fp8_grouped_weight_grad,
                                                  grad_input_operands)
 from conftest import gh200_program_text
 from test_gpu_target import needs_toolchain
@@ -38,7 +38,7 @@ def experts_problem(blocks, k, n, seed=0):
 
 
 def emulated(xq, sx, wq, sw, blocks):
-    """Block by block, model/fp8_gemm.py's exact FP32 product of the same operands."""
+    """Block by block, model/fp8/fp8_gemm.py's exact FP32 product of the same operands."""
     n = wq.shape[-1]
     rows = [fp8_gemm.scaled_matmul(xq[i * BLOCK_M:(i + 1) * BLOCK_M],
                                    sx[i * BLOCK_M:(i + 1) * BLOCK_M], wq[e],

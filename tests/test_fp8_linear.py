@@ -1,5 +1,5 @@
-"""The model's weight GEMMs in FP8 (model/fp8_linear.py, `model.fp8_gemms`,
-`model.fp8_expert_gemms`): the block mode is DeepSeek-V3's product (model/fp8_gemm.py)
+"""The model's weight GEMMs in FP8 (model/fp8/fp8_linear.py, `model.fp8_gemms`,
+`model.fp8_expert_gemms`): the block mode is DeepSeek-V3's product (model/fp8/fp8_gemm.py)
 forward and backward; the tensor mode's operands are e4m3/e5m2 values times a power of two,
 and the GH200 program runs them as cuBLASLt FP8 GEMMs; the model trains through both."""
 
@@ -12,10 +12,11 @@ import pytest
 
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.model import fp8_gemm, fp8_linear, moe
-from europa_jax.model.expert_matmul import compute_local_experts
+from europa_jax.model.fp8 import fp8_gemm, fp8_linear
+from europa_jax.model.experts import moe
+from europa_jax.model.experts.expert_matmul import compute_local_experts
 from europa_jax.model.layers import SwiGLU
-from europa_jax.plan import kernel_classes
+from europa_jax.plan.program import kernel_classes
 from conftest import (config_path, first_batch_and_initial_state, gh200_program_text,
                       objective_gradients)
 from test_fp8_gemm import operands
@@ -193,6 +194,6 @@ def test_the_plan_prices_fp8_gemms_in_their_own_math():
     assert kernel_classes._target(line).startswith(kernel_classes.GEMM_TARGETS)
     assert kernel_classes.gemm_math(["f8e4m3fn[256,512]{1,0}", "f8e4m3fn[384,512]{1,0}"],
                                     line) == "fp8"
-    from europa_jax.plan import hardware, step_time
+    from europa_jax.plan.price import hardware, step_time
     machine = hardware.GH200_JUPITER
     assert step_time.peak_share(machine, "fp8") == machine.fp8_per_bf16 > 1

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from europa_jax.plan import gpu_target
+from europa_jax.plan.program import gpu_target
 from conftest import REPO, config_path, process_env
 
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_check.py")

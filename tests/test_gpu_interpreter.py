@@ -36,7 +36,8 @@ import pytest
 tokamax = pytest.importorskip("tokamax")
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from europa_jax.model import expert_windows, kernels  # noqa: E402
+from europa_jax.model.experts import expert_windows  # noqa: E402
+from europa_jax.model import kernels
 from test_expert_windows import reference  # noqa: E402 - the per-row float32 reference
 
 # Uninitialized memory reads NaN: the stand-in for whatever a GPU's unwritten rows hold.

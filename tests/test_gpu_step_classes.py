@@ -1,14 +1,14 @@
 """The tiny step compiled for 8 GH200s, read as the plan's estimate reads it: every kernel
-in exactly one class (plan/kernel_classes.py), the GEMMs' FLOPs those the program was
-written with, and the plan's per-class table and range (plan/step_time.py)."""
+in exactly one class (plan/program/kernel_classes.py), the GEMMs' FLOPs those the program was
+written with, and the plan's per-class table and range (plan/price/step_time.py)."""
 
 import re
 
 import pytest
 
 from europa_jax.parallel import offload
-from europa_jax.plan import (critical_path, gpu_program, gpu_target, hlo_program, hlo_report,
-                             kernel_classes, step_compile)
+from europa_jax.plan.price import critical_path
+from europa_jax.plan.program import (gpu_program, gpu_target, hlo_program, hlo_report, kernel_classes, step_compile)
 from europa_jax.train import train
 from test_gpu_target import gpu_cfg, needs_toolchain, optimized_text
 

@@ -1,5 +1,5 @@
 """The GPU program, compiled on this CPU-only machine for 8 GH200s (2 nodes × 4): the
-collectives, kernels and memory a GPU run would get (plan/gpu_target.py, plan/gpu_program.py).
+collectives, kernels and memory a GPU run would get (plan/program/gpu_target.py, plan/program/gpu_program.py).
 
 These need the `gpu` extra (the CUDA plugin and ptxas); without it they skip, except in
 CI (`EUROPA_JAX_REQUIRE_GPU_COMPILE=1`), where a missing toolchain fails them.
@@ -18,7 +18,7 @@ from europa_jax import cli
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.config_loader import load_config
 from europa_jax.parallel import offload, sharding
-from europa_jax.plan import gpu_program, gpu_target, hbm_traffic, hlo_report, kernel_classes
+from europa_jax.plan.program import gpu_program, gpu_target, hbm_traffic, hlo_report, kernel_classes
 from europa_jax.train import train
 from conftest import REPO, config_path
 

@@ -1,4 +1,4 @@
-"""Efficiencies measured by benchmarks/gpu_check.py replacing plan/hardware.py's assumed
+"""Efficiencies measured by benchmarks/gpu_check.py replacing plan/price/hardware.py's assumed
 ones (`europa-jax plan --hardware gpu_check.json`), and bad files refused in one line."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from europa_jax import cli
 from europa_jax.config import ConfigError
-from europa_jax.plan import hardware
+from europa_jax.plan.price import hardware
 from conftest import config_path
 
 GH = hardware.GH200_JUPITER

@@ -3,7 +3,7 @@ reads and writes, loops, data-dependent loops and branches, what is left out."""
 
 import pytest
 
-from europa_jax.plan import hbm_traffic
+from europa_jax.plan.program import hbm_traffic
 
 MOE = 'metadata={op_name="jit(train_step)/jvp()/shard_map/moe_layers/moe/%s"}'
 HLO = """HloModule m

@@ -1,4 +1,4 @@
-"""A run's history is never discarded by a retry (run/history.py, run/run_log.py): a
+"""A run's history is never discarded by a retry (store/history.py, records/run_log.py): a
 directory whose checkpoints are all gone is refused a silent start from step 0; a
 deliberate `--start-over` keeps the old records; a full disk under metrics.jsonl is one
 line and exit 1; a line a kill cut short is repaired on the next start."""
@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from europa_jax.run import checkpoint, exit_codes, history, run_log
+from europa_jax.store import checkpoint, history
+from europa_jax.job import exit_codes
+from europa_jax.records import run_log
 from conftest import REPO, config_path
 from test_checkpoint import TINY, cli_env, events, metrics, run_cli  # noqa: F401
 
@@ -89,7 +91,7 @@ def test_a_retry_after_every_checkpoint_was_set_aside_refuses_then_starts_over_o
 # fault at the seam run_log opens the file through, as the save tests do)
 FULL_DISK_DRIVER = """
 import errno, sys
-from europa_jax.run import run_log
+from europa_jax.records import run_log
 real_open = run_log.open_for_records
 class FillsUp:
     def __init__(self, f):

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from europa_jax.config import MeshConfig
 from europa_jax.parallel import sharding
-from europa_jax.plan import hlo_report
+from europa_jax.plan.program import hlo_report
 
 
 def test_report_counts_loop_iterations_axes_dtypes_and_bytes():

@@ -1,10 +1,10 @@
-"""Every launch of an optimized GPU program in exactly one class (plan/kernel_classes.py),
+"""Every launch of an optimized GPU program in exactly one class (plan/program/kernel_classes.py),
 on HLO written as XLA:GPU prints it; the tiny GH200 program's own are in
 test_gpu_target.py."""
 
 import pytest
 
-from europa_jax.plan import hlo_program, kernel_classes
+from europa_jax.plan.program import hlo_program, kernel_classes
 
 # jax 0.12 names a Pallas kernel's call `…/<kernel name>/mpmd_map` (Mosaic GPU)
 PALLAS = 'metadata={op_name="jit(f)/transpose(jvp())/layer/%s/mpmd_map"}'

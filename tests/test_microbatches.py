@@ -11,9 +11,11 @@ import pytest
 
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.model.moe import updated_router_bias
+from europa_jax.model.experts.moe import updated_router_bias
 from europa_jax.parallel import offload, sharding
-from europa_jax.run import checkpoint, exit_codes, loop
+from europa_jax.store import checkpoint
+from europa_jax.job import exit_codes
+from europa_jax.run import loop
 from europa_jax.train import train
 from conftest import config_path
 from test_checkpoint import (assert_same_run, cli_env, metrics, run_cli, start_cli,  # noqa: F401

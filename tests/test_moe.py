@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from europa_jax.model import kernels
-from europa_jax.model.expert_matmul import compute_local_experts, grouped_swiglu
-from europa_jax.model import moe_dispatch
-from europa_jax.model.moe import MoE, route
-from europa_jax.model.moe_dispatch import Layout
+from europa_jax.model.experts.expert_matmul import compute_local_experts, grouped_swiglu
+from europa_jax.model.experts import moe_dispatch
+from europa_jax.model.experts.moe import MoE, route
+from europa_jax.model.experts.moe_dispatch import Layout
 from europa_jax.parallel.comm import ExpertAxis
 
 
@@ -181,7 +181,7 @@ def test_blocked_backward_keeps_no_weight_copy_per_block():
     """Each block multiplies by one expert's matrix; the backward must re-index the
     weights, not save a [D, F] slice per block (that stack was ~0.5 TB per europa-952b
     MoE layer on 65,536 tokens)."""
-    from europa_jax.plan import hlo_report
+    from europa_jax.plan.program import hlo_report
 
     e, d, f, m, rows = 4, 64, 512, 512, 8
     n_blocks = -(-(m + e * (rows - 1)) // rows)

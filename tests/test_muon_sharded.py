@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from europa_jax.config import MeshConfig, OptimConfig
 from europa_jax.parallel import layout, sharding
-from europa_jax.plan import gpu_target, hlo_report
+from europa_jax.plan.program import gpu_target, hlo_report
 from europa_jax.train import optim, train
 from test_gpu_target import needs_toolchain
 

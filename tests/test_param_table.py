@@ -14,7 +14,7 @@ from europa_jax.config import ModelConfig
 from europa_jax.config_loader import load_config
 from europa_jax.model.layers import weight
 from europa_jax.parallel import comm, layout, sharding
-from europa_jax.run import checkpoint
+from europa_jax.store import checkpoint
 from europa_jax.train import optim, train
 from conftest import config_path
 

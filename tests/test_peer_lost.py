@@ -1,6 +1,6 @@
 """A peer that vanishes (kill -9 of one of two processes) ends the survivor in one line
 naming what was lost, a `peer_lost` event and exit 75, so that Slurm requeues the job and
-the retry resumes from the last checkpoint (run/peer_lost.py)."""
+the retry resumes from the last checkpoint (job/peer_lost.py)."""
 
 import json
 import signal
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from europa_jax.run import exit_codes, peer_lost
+from europa_jax.job import exit_codes, peer_lost
 from conftest import REPO, process_env
 from test_distributed import free_port
 from test_checkpoint import cli_env, events, start_cli, wait_for_step  # noqa: F401
@@ -112,7 +112,7 @@ import os, sys, time
 from pathlib import Path
 import jax
 from europa_jax.config import MeshConfig
-from europa_jax.run import distributed, peer_lost
+from europa_jax.job import distributed, peer_lost
 distributed.start(MeshConfig(data=2, expert=1))
 peer_lost.watch(Path(sys.argv[1]), jax.process_index())
 print("joined", flush=True)

@@ -13,7 +13,9 @@ import jax
 import pytest
 
 from europa_jax.parallel import offload, sharding
-from europa_jax.plan import hardware, plan, step_compile
+from europa_jax.plan.price import hardware
+from europa_jax.plan import plan
+from europa_jax.plan.program import step_compile
 from europa_jax.train import train
 from conftest import REPO, config_path
 

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from europa_jax.config import MeshConfig
-from europa_jax.plan import attention_cost, compare, documents, gpu_program
+from europa_jax.plan.price import attention_cost, documents
+from europa_jax.plan import compare
+from europa_jax.plan.program import gpu_program
 
 
 def test_the_recipe_layout_is_fsdp_with_experts_in_a_node_and_no_context_parallelism(tiny_cfg):

@@ -6,7 +6,8 @@ import logging
 import sys
 import time
 
-from europa_jax.run import logs, run_log
+from europa_jax.job import logs
+from europa_jax.records import run_log
 
 
 class Terminal(io.StringIO):

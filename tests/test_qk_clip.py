@@ -18,7 +18,7 @@ from europa_jax.model.attention import (MLAttention, attention_mask, blockwise_a
 from europa_jax.model.layers import rope_tables
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import sharding
-from europa_jax.plan import hlo_report, kernel_classes
+from europa_jax.plan.program import hlo_report, kernel_classes
 from europa_jax.run import loop
 from europa_jax.train import qk_clip, train
 
@@ -350,7 +350,7 @@ def test_no_collective_either_where_w_kv_b_shards_its_heads_and_w_q_b_does_not(t
 
 def compiled_gpu_step(cfg):
     """The step as XLA:GPU compiles it for 8 GH200s (the Mosaic GPU attention kernel)."""
-    from europa_jax.plan import gpu_target
+    from europa_jax.plan.program import gpu_target
 
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
     trainer = train.build_trainer(cfg, mesh)

@@ -9,7 +9,7 @@ import statistics
 import pytest
 from matplotlib.image import imread
 
-from europa_jax.run.report import (PLOTS, ReportError, format_summary, load_run, write_report,
+from europa_jax.records.report import (PLOTS, ReportError, format_summary, load_run, write_report,
                                    _plot_loss)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

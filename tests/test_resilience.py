@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 from europa_jax.config import ConfigError, TrainConfig
-from europa_jax.run import (compile_cache, exit_codes, fault_injection, goodput, run_log,
-                            timeline, watchdog as watchdog_lib)
-from europa_jax.run.stragglers import StepTimes, StragglerMonitor
+from europa_jax.store import compile_cache
+from europa_jax.job import exit_codes, watchdog as watchdog_lib
+from europa_jax.run import fault_injection
+from europa_jax.records import goodput, run_log, timeline
+from europa_jax.records.stragglers import StepTimes, StragglerMonitor
 from test_checkpoint import cli_env, run_cli, start_cli, wait_for_step  # noqa: F401 (a fixture)
 from test_launch_local import launch
 from conftest import REPO

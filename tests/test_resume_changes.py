@@ -4,7 +4,7 @@ learning rate at the step it resumes."""
 import json
 
 from europa_jax.config_loader import load_config, to_dict
-from europa_jax.run import resume_changes
+from europa_jax.store import resume_changes
 from conftest import config_path
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from europa_jax.parallel import sharding
-from europa_jax.plan import hlo_report
+from europa_jax.plan.program import hlo_report
 from europa_jax.run import loop
 from europa_jax.train import train
 from test_comm import lowered_step_hlo, with_comm
@@ -111,7 +111,7 @@ def test_the_row_loop_s_gathers_carry_their_layers_name_for_the_plan(tiny_cfg):
     so it names them itself: at 2 rows per device the fill and drain move the same bytes
     with the loop as without (before, the loop's were unnamed and the plan priced its
     europa-952b fill and drain at 0.25 s instead of 1.03)."""
-    from europa_jax.plan import critical_path
+    from europa_jax.plan.price import critical_path
 
     cfg = with_comm(tiny_cfg, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
                     expert_exchange_dtype="bf16")
@@ -136,8 +136,8 @@ def test_the_plan_counts_a_row_loop_s_dispatches_and_attention_passes_per_row(ti
     """Under the row loop a layer's MoE dispatches one row's tokens, and its attention
     kernel runs once per row per pass: the plan must neither price the dispatch at both
     rows nor count each row's kernel call as another pass over the device's rows."""
-    from europa_jax.model import moe
-    from europa_jax.plan import step_work
+    from europa_jax.model.experts import moe
+    from europa_jax.plan.price import step_work
 
     two = with_layout(tiny_cfg, 1, ROWS)  # 2 rows on each of 4 devices
     looped = with_row_loop(two, True)

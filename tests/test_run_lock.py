@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from europa_jax.run import exit_codes, run_lock
+from europa_jax.job import exit_codes
+from europa_jax.store import run_lock
 from conftest import REPO
 from test_checkpoint import cli_env, start_two_processes  # noqa: F401 (a fixture; train × 2)
 
 # A process that holds a directory's lock until it is killed (what a running train does).
 HOLDER = """
 import sys, time
-from europa_jax.run import run_lock
+from europa_jax.store import run_lock
 held = run_lock.lock(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 time.sleep(600)

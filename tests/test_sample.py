@@ -13,7 +13,7 @@ import transformers
 from europa_jax.data.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from europa_jax.interop.export import export
 from europa_jax.interop.sample import run, sample, SampleError, Sampler
-from europa_jax.run import exit_codes
+from europa_jax.job import exit_codes
 from test_export_tokenizer import byte_level_run, huggingface_run
 
 PROMPT = "def main():\n    "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from europa_jax.config import ConfigError
-from europa_jax.model.moe import sequence_balance
+from europa_jax.model.experts.moe import sequence_balance
 from europa_jax.parallel import sharding
 from europa_jax.train import train
 from conftest import first_batch_and_initial_state, objective_gradients

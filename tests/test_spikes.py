@@ -8,7 +8,9 @@ import pytest
 
 from europa_jax.config import CheckpointConfig, ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.run import checkpoint, exit_codes, spikes
+from europa_jax.store import checkpoint
+from europa_jax.job import exit_codes
+from europa_jax.run import spikes
 from conftest import config_path
 from test_checkpoint import cli_env, events, metrics, run_cli  # noqa: F401
 

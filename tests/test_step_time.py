@@ -1,13 +1,13 @@
-"""The step priced per class of kernel (plan/step_time.py) at the efficiencies of
-plan/hardware.py, the overlap model, and the ranges."""
+"""The step priced per class of kernel (plan/price/step_time.py) at the efficiencies of
+plan/price/hardware.py, the overlap model, and the ranges."""
 
 import dataclasses
 
 import pytest
 
 from europa_jax.config import ConfigError
-from europa_jax.plan import hardware, step_time
-from europa_jax.plan.hardware import Curve, Efficiency
+from europa_jax.plan.price import hardware, step_time
+from europa_jax.plan.price.hardware import Curve, Efficiency
 
 GH = hardware.GH200_JUPITER
 

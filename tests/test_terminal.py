@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from europa_jax.run import checkpoint, exit_codes
+from europa_jax.store import checkpoint
+from europa_jax.job import exit_codes
 from conftest import REPO, config_path
 from test_checkpoint import TINY, cli_env, metrics  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""A try's clock (run/timeline.py) starts when its process begins running europa-jax, not
+"""A try's clock (records/timeline.py) starts when its process begins running europa-jax, not
 when the kernel made the process: a shell execs the last command of `install && train`
 in its own process, whose kernel start time is before the install."""
 
@@ -7,7 +7,7 @@ import sys
 
 PROBE = """
 import os, time
-import europa_jax.run.timeline as timeline
+import europa_jax.records.timeline as timeline
 with open("/proc/self/stat") as f:
     ticks = int(f.read().rsplit(")", 1)[1].split()[19])
 with open("/proc/stat") as f:

@@ -1,4 +1,4 @@
-"""Trackers (run/trackers.py): a tiny run's offline W&B files read back against
+"""Trackers (records/trackers.py): a tiny run's offline W&B files read back against
 metrics.jsonl, the same W&B run after a resume, WANDB_* variables, a tracker that dies,
 the missing package, bad `train.trackers`.
 
@@ -20,8 +20,8 @@ import pytest
 from conftest import REPO, config_path, process_env
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
-from europa_jax.run import trackers
-from europa_jax.run.preemption import Preempted
+from europa_jax.records import trackers
+from europa_jax.job.preemption import Preempted
 
 SMALL = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
          "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
@@ -288,7 +288,7 @@ def test_a_dead_wandb_service_stops_tracking_not_training(tmp_path):
     script = textwrap.dedent(f"""
         import logging, os, signal, time
         from pathlib import Path
-        from europa_jax.run import trackers
+        from europa_jax.records import trackers
 
         logging.basicConfig(level=logging.WARNING)
         tracker = trackers.WandB(Path({str(tmp_path)!r}), start_step=0, config={{}})

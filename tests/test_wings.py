@@ -1,9 +1,12 @@
 """The package's wings and their order: no module imports a wing above its own.
 
 core (config, config_model, config_train, config_checks, config_loader, param_table) <
-data, parallel < model < train < plan < run < interop < eval < cli. Every import counts, including those
-inside functions (taken late only to keep start-up light). The README's "What is here"
-table lists every module.
+data, parallel < model < train < plan < job < store, records < interop < eval < run < cli: the
+process (job), the run directory (store) and what a run writes about itself (records) come
+before the tools that read a run's checkpoints (interop, eval), and the training loop (run)
+after them, so that nothing but the CLI depends on the loop. Every import counts, including
+those inside functions (taken late only to keep start-up light). docs/architecture.md lists
+every module, and no package folder holds more than 12 modules directly.
 """
 
 import ast
@@ -15,8 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "europa_jax"
 CORE = {"config", "config_checks", "config_model", "config_train", "config_loader",
         "param_table"}
-RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "run": 5,
-        "interop": 6, "eval": 7, "cli": 8}
+RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "job": 5,
+        "store": 6, "records": 6, "interop": 7, "eval": 8, "run": 9, "cli": 10}
+MAX_MODULES_PER_FOLDER = 12
 
 
 def wing(module: str) -> str:
@@ -67,8 +71,17 @@ def test_no_module_imports_a_wing_above_its_own(module, path):
             f"{module} ({own}) imports {target} ({other})")
 
 
-def test_the_readme_lists_every_module():
-    readme = (ROOT / "README.md").read_text()
+def test_the_architecture_page_lists_every_module():
+    page = (ROOT / "docs" / "architecture.md").read_text()
     missing = [str(path.relative_to(ROOT)) for _, path in modules()
-               if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in readme]
+               if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in page]
     assert not missing, missing
+
+
+def test_no_package_folder_holds_more_than_twelve_modules():
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if (p / "__init__.py").is_file())]:
+        count = len([m for m in folder.glob("*.py") if m.name != "__init__.py"])
+        if count > MAX_MODULES_PER_FOLDER:
+            crowded[str(folder.relative_to(ROOT))] = count
+    assert not crowded, crowded

@@ -24,7 +24,8 @@ from pathlib import Path
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import apply_overrides, from_dict
 from europa_jax.data.corpus import DataError
-from europa_jax.run import exit_codes, saved_checkpoints
+from europa_jax.job import exit_codes
+from europa_jax.store import saved_checkpoints
 
 # what --set may change: where and how wide the forward runs, never the model
 LAYOUT_KEYS = ("mesh.", "train.eval_tasks_seq_len")
@@ -75,7 +76,7 @@ def evaluate_checkpoint(run_dir: str | Path, tasks: list[str], *, step: int | No
     from europa_jax.eval.forward import EvalForward
     from europa_jax.eval.lm import EuropaLM
     from europa_jax.eval.weights import read_weights
-    from europa_jax.run import distributed
+    from europa_jax.job import distributed
     from europa_jax.train.train import build_trainer
 
     start = time.perf_counter()

@@ -3,7 +3,7 @@
 `europa-jax eval` needs the parameters and the router bias only: Orbax's restore of the
 whole train state would also read the optimizer's moments (twice the parameters under
 AdamW, as much under Muon) onto the devices. Each saved array is opened lazily
-(run/saved_checkpoints.py `open_saved_array`: zarr in OCDBT) and every process reads only the
+(store/saved_checkpoints.py `open_saved_array`: zarr in OCDBT) and every process reads only the
 blocks of its own devices' shards (`jax.make_array_from_callback`), in the shardings the
 trainer lays them out in on this mesh, which may differ from the one that saved them. The
 arrays are then checked against the fingerprints saved with them, as a resume checks.
@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from europa_jax.run import checkpoint
+from europa_jax.store import checkpoint
 from europa_jax.train.train import Trainer
 
 

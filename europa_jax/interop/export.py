@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.interop import hf_layout, hf_tokenizer_files
-from europa_jax.run import run_lock, saved_checkpoints
+from europa_jax.store import run_lock, saved_checkpoints
 from europa_jax.train import train
 
 log = logging.getLogger(__name__)

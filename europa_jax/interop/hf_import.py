@@ -35,7 +35,8 @@ from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.interop import hf_layout
 from europa_jax.interop.export import commit_output, prepare_output
-from europa_jax.run import checkpoint, distributed, run_lock
+from europa_jax.store import checkpoint, run_lock
+from europa_jax.job import distributed
 from europa_jax.train import train
 
 INDEX = "model.safetensors.index.json"

@@ -33,7 +33,8 @@ from europa_jax.config import Config, ConfigError
 from europa_jax.config_loader import from_dict
 from europa_jax.data.corpus import DataError
 from europa_jax.interop import hf_tokenizer_files
-from europa_jax.run import exit_codes, saved_checkpoints
+from europa_jax.job import exit_codes
+from europa_jax.store import saved_checkpoints
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -240,7 +241,7 @@ def run(args) -> int:
     """The `sample` command: args has run_dir, prompt, max_new_tokens, temperature, seed,
     step (and optionally json, tokenizer). Prints the generated text (then, with --json,
     one JSON line); a bad input is one line on stderr and exit code 2."""
-    from europa_jax.run.saved_checkpoints import CheckpointError
+    from europa_jax.store.saved_checkpoints import CheckpointError
 
     max_new = getattr(args, "max_new_tokens", None)
     try:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from europa_jax.config import ModelConfig
-from europa_jax.model import flash_backward, fp8_linear, kernels
+from europa_jax.model import flash_backward, kernels
+from europa_jax.model.fp8 import fp8_linear
 from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
 from europa_jax.parallel import comm
 

@@ -18,7 +18,7 @@ from europa_jax.config import ModelConfig
 from europa_jax.model import layer_input
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import RMSNorm, SwiGLU
-from europa_jax.model.moe import MoE
+from europa_jax.model.experts.moe import MoE
 
 
 def block_layers(cfg: ModelConfig, is_moe: bool, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,

@@ -33,7 +33,7 @@ from europa_jax.config import ModelConfig
 from europa_jax.model import layer_input, lm_head
 from europa_jax.model.attention import logit_scale
 from europa_jax.model.layers import RMSNorm, SwiGLU, apply_rope, rope_tables, weight
-from europa_jax.model.moe import MoE
+from europa_jax.model.experts.moe import MoE
 
 
 @jax.tree_util.register_dataclass

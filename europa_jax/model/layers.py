@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig, RopeScalingConfig
-from europa_jax.model import fp8_linear
+from europa_jax.model.fp8 import fp8_linear
 from europa_jax.parallel import comm, layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from europa_jax import param_table
 from europa_jax.config import ModelConfig
-from europa_jax.model import fp8_linear, lm_head
+from europa_jax.model.fp8 import fp8_linear
+from europa_jax.model import lm_head
 from europa_jax.model.block import block_layers, under_policy
 from europa_jax.model.layers import RMSNorm, weight
 

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Callable
 
 from europa_jax.config import Config
-from europa_jax.plan import documents
+from europa_jax.plan.price import documents
 
 RECIPE_MEASURED = 1300.0  # tokens/s/GPU, the recipe's own report on its own data
 LAYOUTS = ("ours", "recipe")

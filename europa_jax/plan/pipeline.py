@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from europa_jax.config import Config
-from europa_jax.plan import exchange, hardware, step_time
+from europa_jax.plan.price import exchange, hardware, step_time
 
 POLICIES = ("fsdp", "per_microbatch", "resident", "expert_parallel")
 CASE = "expected"

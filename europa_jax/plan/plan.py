@@ -57,9 +57,9 @@ from europa_jax.config import Config
 from europa_jax.model import attention, flash_backward, flops
 from europa_jax.parallel import offload, sharding
 from europa_jax.parallel.offload import state_bytes
-from europa_jax.plan import (attention_cost, documents, exchange, gpu_program, gpu_target,
-                             hardware, kernel_classes, step_time, step_work)
-from europa_jax.plan.step_compile import (extrapolate, measure, measure_update, with_exact_update,
+from europa_jax.plan.price import (attention_cost, documents, exchange, hardware, step_time, step_work)
+from europa_jax.plan.program import gpu_program, gpu_target, kernel_classes
+from europa_jax.plan.program.step_compile import (extrapolate, measure, measure_update, with_exact_update,
                                           with_moe_layers)
 from europa_jax.train import qk_clip, train
 

@@ -1,2 +1,3 @@
-"""Running a job: process start (Slurm, local), the loop, checkpoints, preemption, exit
-codes, what a run writes about itself (logs, metrics, events) and its report."""
+"""The training run's loop: batches → step, resume, saves, guards (non-finite, spikes),
+validation, the profiler window, and how a run ends (outcome → exit code). Built on the
+process (job/), the run directory (store/) and what a run records (records/)."""

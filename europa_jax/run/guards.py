@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from europa_jax.config import CheckpointConfig
-from europa_jax.run import checkpoint
-from europa_jax.run.run_log import EventLog
-from europa_jax.run.save_outcome import SaveFailed
+from europa_jax.store import checkpoint
+from europa_jax.records.run_log import EventLog
+from europa_jax.store.save_outcome import SaveFailed
 
 
 class NonFiniteStop(Exception):

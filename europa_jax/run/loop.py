@@ -24,16 +24,17 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.data.corpus import DataError
 from europa_jax.model import flops
-from europa_jax.run import (checkpoint, compile_cache, distributed, fault_injection, history,
-                            logs, peer_lost, resume_changes, run_lock, run_log, timeline,
-                            trackers)
+from europa_jax.store import checkpoint, compile_cache, history, resume_changes, run_lock
+from europa_jax.job import distributed, logs, peer_lost
+from europa_jax.run import fault_injection
+from europa_jax.records import run_log, timeline, trackers
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
-from europa_jax.run.preemption import Preempted, StopRequests
+from europa_jax.job.preemption import Preempted, StopRequests
 from europa_jax.run.profiler import Profiler, memory_report
-from europa_jax.run.run_log import EventLog, MetricsLog
+from europa_jax.records.run_log import EventLog, MetricsLog
 from europa_jax.run.spikes import SpikeGuard
-from europa_jax.run.stragglers import StepTimes, StragglerMonitor
-from europa_jax.run.watchdog import HangWatchdog
+from europa_jax.records.stragglers import StepTimes, StragglerMonitor
+from europa_jax.job.watchdog import HangWatchdog
 from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
                                     Trainer)
 

@@ -9,19 +9,19 @@ import sys
 
 from europa_jax.config import ConfigError
 from europa_jax.data.corpus import DataError
-from europa_jax.run import exit_codes
+from europa_jax.job import exit_codes
 
 
 def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False
                        ) -> int:
     """Train (loop.train) and map the outcome to an `exit_codes` value."""
-    from europa_jax.run import peer_lost
-    from europa_jax.run.saved_checkpoints import CheckpointError
-    from europa_jax.run.history import HistoryWouldBeLost
+    from europa_jax.job import peer_lost
+    from europa_jax.store.saved_checkpoints import CheckpointError
+    from europa_jax.store.history import HistoryWouldBeLost
     from europa_jax.run.loop import NonFiniteStop, train
-    from europa_jax.run.preemption import Preempted
-    from europa_jax.run.run_log import RunLogFailed
-    from europa_jax.run.save_outcome import SaveFailed
+    from europa_jax.job.preemption import Preempted
+    from europa_jax.records.run_log import RunLogFailed
+    from europa_jax.store.save_outcome import SaveFailed
     from europa_jax.run.spikes import SpikeStop
 
     try:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from europa_jax import param_table
 from europa_jax.config import Config, ConfigError, ModelConfig
 from europa_jax.model import kernels
-from europa_jax.model.moe import updated_router_bias
+from europa_jax.model.experts.moe import updated_router_bias
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import comm, layout, offload, sharding
 from europa_jax.parallel.layout import Layout
