@@ -1,8 +1,11 @@
 """The documentation stays true to the code: every configuration key is in
-docs/configuration.md, every page the README links exists, and the README stays a short
-front page (the reference lives in docs/)."""
+docs/configuration.md, every link between the README, docs/ and docs/notes/ reaches its
+page and heading, the README stays a short front page (the reference lives in docs/), and
+the current europa-952b figures are the stored plan's, as benchmarks/headline.py prints
+them."""
 
 import dataclasses
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -47,3 +50,69 @@ def test_the_readme_is_a_front_page_whose_links_resolve():
     for page in (ROOT / "docs").glob("*.md"):  # links between pages resolve too
         for target in re.findall(r"\]\(([\w\-]+\.md)(?:#[\w\-]+)?\)", page.read_text()):
             assert (ROOT / "docs" / target).is_file(), (page.name, target)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        base = _slug(line.lstrip("#"))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        anchors.add(base if n == 0 else f"{base}-{n}")
+    return anchors
+
+
+def test_every_link_between_pages_and_notes_resolves_to_a_file_and_heading():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "docs" / "notes").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append((page.name, target))
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append((page.name, target))
+    assert not broken, broken
+
+
+def _headline():
+    """benchmarks/headline.py, loaded by path: the script that prints the current figures."""
+    spec = importlib.util.spec_from_file_location("headline", ROOT / "benchmarks" / "headline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_is_short_and_says_first_that_nothing_ran_on_a_gpu():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 12_000
+    assert "Nothing has run on a GPU yet" in "\n".join(readme.splitlines()[:40])
+
+
+def test_the_current_figures_are_the_stored_plans_as_the_script_prints_them():
+    """The README's headline table and docs/plan.md's tables of the step are exactly what
+    benchmarks/headline.py prints from tests/data/europa-952b-plan-long-tail.json."""
+    headline = _headline()
+    plan = headline.load()
+    readme = (ROOT / "README.md").read_text()
+    reference = (ROOT / "docs" / "plan.md").read_text()
+    table = headline.headline_table(plan)
+    assert readme.count(table) == 1, "README's table is not `python benchmarks/headline.py`"
+    for table in (headline.classes_table(plan), headline.lines_table(plan)):
+        assert reference.count(table) == 1, (
+            "docs/plan.md's tables are not `python benchmarks/headline.py --classes`")

@@ -1,12 +1,12 @@
 """The package's wings and their order: no module imports a wing above its own.
 
-core (config, config_model, config_train, config_checks, config_loader, param_table) <
-data, parallel < model < train < plan < job < store, records < interop < eval < run < cli: the
-process (job), the run directory (store) and what a run writes about itself (records) come
-before the tools that read a run's checkpoints (interop, eval), and the training loop (run)
-after them, so that nothing but the CLI depends on the loop. Every import counts, including
-those inside functions (taken late only to keep start-up light). docs/architecture.md lists
-every module, and no package folder holds more than 12 modules directly.
+core (config, config_model, config_execution, config_train, config_checks, config_loader,
+param_table) < data, parallel < model < train < plan < job < store, records < interop < eval <
+run < cli: the process (job), the run directory (store) and what a run writes about itself
+(records) come before the tools that read a run's checkpoints (interop, eval), and the training
+loop (run) after them, so that nothing but the CLI depends on the loop. Every import counts,
+including those inside functions (taken late only to keep start-up light). docs/architecture.md
+lists every module, and no package folder holds more than 12 modules directly.
 """
 
 import ast
@@ -16,8 +16,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "europa_jax"
-CORE = {"config", "config_checks", "config_model", "config_train", "config_loader",
-        "param_table"}
+CORE = {"config", "config_checks", "config_model", "config_execution", "config_train",
+        "config_loader", "param_table"}
 RANK = {"core": 0, "data": 1, "parallel": 1, "model": 2, "train": 3, "plan": 4, "job": 5,
         "store": 6, "records": 6, "interop": 7, "eval": 8, "run": 9, "cli": 10}
 MAX_MODULES_PER_FOLDER = 12
