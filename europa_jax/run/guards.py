@@ -2,7 +2,7 @@
 
 `NonFiniteGuard` applies `checkpoint.nan_policy` to each step's `finite` flag; `SaveGuard`
 reports each background save once its outcome is known and applies
-`checkpoint.on_save_error`.
+`checkpoint.on_save_error`. Both are hooks the loop asks after each step (step_hooks.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 from europa_jax.config import CheckpointConfig
 from europa_jax.store import checkpoint
 from europa_jax.records.run_log import EventLog
+from europa_jax.run.step_hooks import CONTINUE, StepTaken, Verdict
 from europa_jax.store.save_outcome import SaveFailed
 
 
@@ -26,9 +27,13 @@ class NonFiniteGuard:
     whether to go on. Every process sees the same (global) loss, so all decide alike.
     """
 
-    def __init__(self, cfg: CheckpointConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: CheckpointConfig, events: EventLog | None = None):
+        self.cfg, self.events = cfg, events  # `events`: the run's, for `after_step`
         self.consecutive = 0
+
+    def after_step(self, taken: StepTaken) -> Verdict:
+        self.check(taken.step, taken.metrics, self.events)  # raises NonFiniteStop: nothing saved
+        return CONTINUE
 
     def check(self, step: int, metrics: dict, events: "EventLog") -> None:
         if bool(metrics["finite"]):
@@ -59,6 +64,12 @@ class SaveGuard:
 
     def __init__(self, ckpt: checkpoint.Checkpointer, cfg: CheckpointConfig, events: EventLog):
         self.ckpt, self.cfg, self.events = ckpt, cfg, events
+
+    def after_step(self, taken: StepTaken) -> Verdict:
+        # Every step, without waiting: a failed save is reported once it is known, not
+        # only when the next save waits for it (raises SaveFailed under on_save_error: stop).
+        self.check()
+        return CONTINUE
 
     def check(self, *, wait: bool = False, ending: bool = False,
               raise_error: bool = True) -> None:

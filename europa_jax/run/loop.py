@@ -1,9 +1,11 @@
 """The training loop: data → sharded batches → `train_step`, metrics.jsonl, progress.
 
-Around the step: the run directory's lock (run_lock.py), resume from its checkpoints,
-periodic/final/preemption saves and what a failed one means (checkpoint.py, SaveGuard),
-agreed stop requests (preemption.py), the non-finite policy, validation and the
-downstream tasks (`train.eval_tasks`, given by the caller: europa_jax/eval/).
+Around the step: the run directory's lock (run_lock.py), resume from its checkpoints, the
+compile, the profiler window and agreed stop requests (preemption.py). After it, a fixed
+sequence of hooks (`after_step_hooks`, step_hooks.py) says whether to continue, save, roll
+back or stop: the step's records, the non-finite policy, loss spikes, validation and the
+downstream tasks (`train.eval_tasks`, given by the caller: europa_jax/eval/), what a failed
+save means (SaveGuard), periodic/final/preemption saves; the loop acts on the answer.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ from europa_jax.config import check_device_count, Config, ConfigError
 from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.data.corpus import DataError
-from europa_jax.model import flops
 from europa_jax.store import checkpoint, compile_cache, history, resume_changes, run_lock
 from europa_jax.job import distributed, logs, peer_lost
-from europa_jax.run import fault_injection
+from europa_jax.run import fault_injection, step_hooks
 from europa_jax.records import run_log, timeline, trackers
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
 from europa_jax.job.preemption import Preempted, StopRequests
-from europa_jax.run.profiler import Profiler, memory_report
+from europa_jax.run.profiler import Profiler
 from europa_jax.records.run_log import EventLog, MetricsLog
 from europa_jax.run.spikes import SpikeGuard
+from europa_jax.run.step_hooks import Action, StepRecords, StepTaken
 from europa_jax.records.stragglers import StepTimes, StragglerMonitor
 from europa_jax.job.watchdog import HangWatchdog
 from europa_jax.train.train import (build_trainer, init_state, jit_eval_step, jit_train_step,
@@ -141,30 +143,9 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     "keep a fallback")
     saves = SaveGuard(ckpt, cfg.checkpoint, events)
     start = StartPhases(startup_s=clock.phase("restore"))
-    restored = ckpt.restore_latest(events)
-    state = restored.state if restored else init_state(trainer, cfg.train.seed)
-    start.restored = restored is not None
-    start_step = restored.step if restored else 0
-    if restored is None and is_primary and starting_over:  # asked for: history kept aside
-        kept = history.keep_old_metrics(run_dir)
-        events("started_over", f"starting over at step 0 ({history.START_OVER_FLAG}) after "
-               f"{'; '.join(starting_over)}"
-               + (f"; the old records are in {kept.name}" if kept else ""),
-               level=logging.WARNING, found=starting_over, kept=kept and kept.name)
-    elif restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
-        log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
-    if restored and is_primary:  # settings changed since the save, said before they act
-        saved = restored.meta.get("config", {})
-        changed = resume_changes.describe(saved, cfg, restored.step)
-        for line in changed[:-1]:
-            log.warning(line)
-        if changed:  # the last line with the event
-            events("config_changed", changed[-1], level=logging.WARNING, step=restored.step,
-                   keys=[k for k, _, _ in resume_changes.changed_keys(saved, cfg)])
-    if restored and restored.data_state is not None:
-        host_batches.set_state(restored.data_state)
+    state, start_step = _resume(cfg, run_dir, ckpt, trainer, events, host_batches,
+                                starting_over, start)
     step_fn, executable = jit_train_step(trainer), None
-    guard = NonFiniteGuard(cfg.checkpoint)
     spikes = SpikeGuard(cfg.checkpoint, cfg.model.vocab_size)
     profiler = Profiler(cfg, run_dir)
     faults = fault_injection.Faults(jax.process_index())
@@ -178,6 +159,10 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
         with MetricsLog(run_dir, start_step, is_primary, to_dict(cfg),
                         cfg.train.trackers) as metrics_log, \
                 jax.set_mesh(mesh), StopRequests() as stop:
+            records = StepRecords(cfg, host_batches, metrics_log, log_line, progress, monitor,
+                                  logged)
+            hooks = after_step_hooks(cfg, trainer, events, clock, watchdog, start, records,
+                                     metrics_log, saves, spikes, ckpt, validation, tasks)
             batches = device_batches(trainer, host_batches)
             step, first = start_step, True
             while step < cfg.train.steps:
@@ -197,78 +182,35 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                 faults.before_step(done)
                 batch = faults.bad_batch(done, batch)
                 if executable is None:  # compiled here, with the batch's shapes, then met
-                    clock.phase("compile")
-                    if is_primary:  # the longest silence of a start otherwise
-                        log.info(compile_cache.announcement(
-                            jax.device_count(),
-                            compile_cache.cache_dir(cfg.train.compile_cache_dir, run_dir)))
-                    compiled = compile_cache.compile_step(
-                        step_fn, state, batch, barrier_timeout_s=distributed.init_timeout_s())
-                    executable = compiled.executable
-                    start.compile(compiled, clock.phase("step", done))
-                    if is_primary:
-                        log.info(compile_cache.outcome(compiled, start.compile_s))
+                    executable = _compile(cfg, run_dir, step_fn, state, batch, clock, start,
+                                          done)
                     began = time.perf_counter()
                 profiler.before(done)
                 watchdog.note("on the devices")
                 dispatched = time.perf_counter()
                 state, metrics = executable(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step: honest step time
-                finished = time.perf_counter()
-                step_time = finished - dispatched
+                step_time = time.perf_counter() - dispatched
                 profiler.after(done)
                 watchdog.note("agreeing on stop requests and timings")
                 # same answer on every process, after the same step; the timings ride along
                 stopping, rows = stop.agree_with(
                     [dispatched - began, step_time] if timed else [])
-                times = StepTimes(rows[:, 0], rows[:, 1]) if timed else None
                 watchdog.step_took(time.perf_counter() - began)
-                if first:
-                    memory = memory_report(state)
-                    events("memory", run_log.memory_line(done, memory), step=done, **memory)
-                    start.first_step_s = time.perf_counter() - began
-                    events("start_phases", start.line(done), step=done, **start.fields())
-                if step % cfg.train.log_every == 0 or done == cfg.train.steps:
-                    logged.append(_record(cfg, done, metrics, step_time, host_batch,
-                                          compiled=first,
-                                          stats=host_batches.stats))
-                    if times is not None:
-                        logged[-1].update(times.summary(monitor.nodes))
-                        monitor.check(done, times)
-                    metrics_log(logged[-1])
-                    log_line(logged[-1])
-                progress(step, metrics)
+                taken = StepTaken(done, state, metrics, host_batch, step_time, began, first,
+                                  stopping, StepTimes(rows[:, 0], rows[:, 1]) if timed else None)
                 first = False
-                guard.check(done, metrics, events)  # raises NonFiniteStop: nothing saved
-                why = spikes.check(done, metrics)
-                if why is not None:  # its update is in `state`: back to the last save
+                verdict = step_hooks.judge(hooks, taken)
+                taken = None  # holds the state, which a rollback frees
+                if verdict.action is Action.ROLL_BACK:  # its update is in `state`
                     state = None  # freed before the restore allocates another
                     state, step = _roll_back(ckpt, saves, spikes, trainer, cfg, events,
-                                             done, why)
+                                             done, verdict.reason)
                     continue
-                if validation and done % cfg.train.eval_every == 0:
-                    clock.phase("validation")
-                    record = validation.evaluate(trainer, state, done)
-                    metrics_log(record)
-                    log.info(f"step {done} val_loss {record['val_loss']:.4f} perplexity "
-                             f"{record['val_perplexity']:.2f} ({record['val_tokens']:,} tokens)")
-                # not when preempted: the save must come within the signal's grace time
-                if tasks is not None and not stopping and tasks.due(done, cfg.train.steps):
-                    clock.phase("validation")  # goodput counts it as evaluation time
-                    watchdog.note("downstream tasks")
-                    record = tasks.evaluate(trainer, state, done, progress=watchdog.progress)
-                    metrics_log(record)
-                    log.info(tasks.line(record))
-                saves.check()  # the last save's outcome, once it is known (raises SaveFailed)
-                if stopping or ckpt.due(done):
-                    reason = ("preempted" if stopping else
-                              "final" if done == cfg.train.steps else "periodic")
-                    clock.phase("checkpoint")
-                    saves.check(wait=True)  # one save at a time: the one before must be done
-                    ckpt.save(done, state, data_state, reason=reason)
-                    events("checkpoint_saving", step=done, reason=reason)
-                    spikes.saved()
-                if stopping:
+                if verdict.saves:
+                    _save(ckpt, saves, spikes, clock, events, done, state, data_state,
+                          verdict.reason)
+                if verdict.action is Action.STOP:
                     saves.check(wait=True, ending=True)  # exit for requeue only once saved
                     events("preempted", step=done, signal=stop.signal_name)
                     raise Preempted(done, stop.signal_name)
@@ -283,6 +225,74 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
         ckpt.close()
     progress(None, None)
     return logged
+
+
+def after_step_hooks(cfg: Config, trainer: Trainer, events: EventLog, clock: timeline.Timeline,
+                     watchdog: HangWatchdog, start: StartPhases, records: StepRecords,
+                     metrics_log: MetricsLog, saves: SaveGuard, spikes: SpikeGuard,
+                     ckpt: checkpoint.Checkpointer, validation: Validation | None,
+                     tasks: PeriodicEvaluation | None) -> list[step_hooks.AfterStep]:
+    """What the loop asks after each step, in this order (step_hooks.judge)."""
+    return [
+        step_hooks.FirstStepReport(events, start),
+        records,  # before the guards: a step that stops the run is on record
+        NonFiniteGuard(cfg.checkpoint, events),  # raises NonFiniteStop: nothing saved
+        spikes,  # a spike rolls back: nothing after it judges the undone step
+        *([step_hooks.HeldOutValidation(validation, cfg.train.eval_every, trainer, clock,
+                                        metrics_log)] if validation else []),
+        *([step_hooks.DownstreamTasks(tasks, cfg.train.steps, trainer, clock, watchdog,
+                                      metrics_log)] if tasks is not None else []),
+        saves,  # the last save's outcome, once it is known (raises SaveFailed)
+        step_hooks.AgreedStop(),  # a stop saves whether or not a save is due
+        step_hooks.DueSaves(ckpt, cfg.train.steps),
+    ]
+
+
+def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: Trainer,
+            events: EventLog, host_batches: pipeline.BatchIterator, starting_over: list[str],
+            start: StartPhases):
+    """The latest valid checkpoint's state and step (the data stream set to its position),
+    or the initial state at step 0; what changed since the save is said before it acts."""
+    is_primary = jax.process_index() == 0
+    restored = ckpt.restore_latest(events)
+    state = restored.state if restored else init_state(trainer, cfg.train.seed)
+    start.restored = restored is not None
+    if restored is None and is_primary and starting_over:  # asked for: history kept aside
+        kept = history.keep_old_metrics(run_dir)
+        events("started_over", f"starting over at step 0 ({history.START_OVER_FLAG}) after "
+               f"{'; '.join(starting_over)}"
+               + (f"; the old records are in {kept.name}" if kept else ""),
+               level=logging.WARNING, found=starting_over, kept=kept and kept.name)
+    elif restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
+        log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
+    if restored and is_primary:  # settings changed since the save, said before they act
+        saved = restored.meta.get("config", {})
+        changed = resume_changes.describe(saved, cfg, restored.step)
+        for line in changed[:-1]:
+            log.warning(line)
+        if changed:  # the last line with the event
+            events("config_changed", changed[-1], level=logging.WARNING, step=restored.step,
+                   keys=[k for k, _, _ in resume_changes.changed_keys(saved, cfg)])
+    if restored and restored.data_state is not None:
+        host_batches.set_state(restored.data_state)
+    return state, restored.step if restored else 0
+
+
+def _compile(cfg: Config, run_dir: Path, step_fn, state, batch, clock: timeline.Timeline,
+             start: StartPhases, done: int):
+    """The step compiled for the first batch's shapes (or read from the compile cache), once
+    every process has it; the clock is in step `done`'s phase again after it."""
+    is_primary = jax.process_index() == 0
+    clock.phase("compile")
+    if is_primary:  # the longest silence of a start otherwise
+        log.info(compile_cache.announcement(
+            jax.device_count(), compile_cache.cache_dir(cfg.train.compile_cache_dir, run_dir)))
+    compiled = compile_cache.compile_step(step_fn, state, batch,
+                                          barrier_timeout_s=distributed.init_timeout_s())
+    start.compile(compiled, clock.phase("step", done))
+    if is_primary:
+        log.info(compile_cache.outcome(compiled, start.compile_s))
+    return compiled.executable
 
 
 class StartPhases:
@@ -315,6 +325,17 @@ class StartPhases:
                 f"{self.first_step_s:.2f} s (step {step})")
 
 
+def _save(ckpt: checkpoint.Checkpointer, saves: SaveGuard, spikes: SpikeGuard,
+          clock: timeline.Timeline, events: EventLog, done: int, state, data_state,
+          reason: str) -> None:
+    """A save verdict's save: "periodic", "final" or "preempted"."""
+    clock.phase("checkpoint")
+    saves.check(wait=True)  # one save at a time: the one before must be done
+    ckpt.save(done, state, data_state, reason=reason)
+    events("checkpoint_saving", step=done, reason=reason)
+    spikes.saved()
+
+
 def _roll_back(ckpt, saves, spikes: SpikeGuard, trainer, cfg: Config, events: EventLog,
                done: int, why: str):
     """After a spike at step `done`: the last checkpoint's state (or the initial one if
@@ -331,25 +352,6 @@ def _roll_back(ckpt, saves, spikes: SpikeGuard, trainer, cfg: Config, events: Ev
     spikes.restored(target)
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     return state, target
-
-
-def _record(cfg: Config, step: int, metrics: dict, step_time: float, host_batch,
-            compiled: bool, stats: pipeline.BatchStats) -> dict:
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    peak = cfg.train.peak_flops_per_device.get(jax.devices()[0].platform, float("nan"))
-    pairs = flops.causal_pairs(host_batch["segment_ids"]) * jax.process_count()
-    step_flops = flops.train_flops(cfg.model, tokens_per_step, pairs)
-    values = {k: np.asarray(v).tolist() if np.ndim(v) else float(v) for k, v in metrics.items()}
-    record = {"step": step, **values, "step_time_s": step_time,
-              "tokens_per_s_per_device": tokens_per_step / step_time / jax.device_count(),
-              "mfu": step_flops / step_time / jax.device_count() / peak,
-              "attention_cost_max_over_mean": stats.attention_cost_max_over_mean,
-              "node_attention_cost_max_over_mean": stats.node_attention_cost_max_over_mean,
-              "compiled": compiled}
-    if len(stats.source_tokens_I) > 1:  # a mixture (data.sources): each source's share, epochs
-        record["source_token_fraction"] = (stats.source_tokens_I / tokens_per_step).tolist()
-        record["source_epochs"] = stats.source_epochs_I.tolist()
-    return record
 
 
 class Validation:

@@ -29,6 +29,7 @@ import collections
 import math
 
 from europa_jax.config import CheckpointConfig
+from europa_jax.run.step_hooks import Action, CONTINUE, StepTaken, Verdict
 
 MIN_HISTORY = 8  # healthy steps before the window's statistic is trusted
 SPIKE_OVER_UNIFORM = 2.0
@@ -60,6 +61,12 @@ class SpikeGuard:
         if why is None:
             self.window.append((step, loss, grad_norm))
         return why
+
+    def after_step(self, taken: StepTaken) -> Verdict:
+        """A spike's update is in the state already: roll back (loop.py restores the last
+        checkpoint; `rolled_back` and `restored` are told)."""
+        why = self.check(taken.step, taken.metrics)
+        return CONTINUE if why is None else Verdict(Action.ROLL_BACK, why)
 
     def restored(self, step: int) -> None:
         """The weights are step `step`'s again: the steps after it leave the window. They
