@@ -6,7 +6,7 @@ europa-952b at 384 GPUs (96 nodes × 4, one 65,536-token row per GPU): global ba
 the long-tailed document model (plan/price/attention_cost.py, the one benchmarks/data_balance.py
 uses) cut from a shuffled stream and laid out by the real balancer — ranks balanced on
 their own, or nodes balanced as units when the node's GPUs share its rows' attention
-(`model.attention_context_parallel`). Reported for both: attention cost (Σ L²) max/mean
+(`execution.attention_context_parallel`). Reported for both: attention cost (Σ L²) max/mean
 per rank and per node, and the query-key pairs of the GPU the step waits for (expected,
 p95, worst sampled) against one document per row, as attention TFLOP per GPU per step.
 """

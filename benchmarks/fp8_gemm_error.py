@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from europa_jax import param_table  # noqa: E402
 from europa_jax.data import sources  # noqa: E402
-from europa_jax.interop.sample import read_parameters, sampling_model_config  # noqa: E402
+from europa_jax.interop.sample import read_parameters, sampling_configs  # noqa: E402
 from europa_jax.model.fp8 import fp8_gemm  # noqa: E402
 from europa_jax.model.transformer import Transformer  # noqa: E402
 
@@ -85,11 +85,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     cfg, params, bias, step = read_parameters(args.run_dir, args.step)
-    model_cfg = dataclasses.replace(sampling_model_config(cfg), scan_layers=False)
+    model_cfg, execution = sampling_configs(cfg)
+    execution = dataclasses.replace(execution, scan_layers=False)
     params = unrolled(params)
     batch = next(iter(sources.batch_iterator_for(cfg, process_index=0, process_count=1)))
     rows = slice(0, args.rows)
-    _, state = Transformer(model_cfg).apply(
+    _, state = Transformer(model_cfg, execution).apply(
         {"params": jax.tree.map(jnp.asarray, params)}, jnp.asarray(batch["tokens"][rows]),
         jnp.asarray(batch["segment_ids"][rows]), jnp.asarray(batch["positions"][rows]),
         jnp.asarray(bias), capture_intermediates=True, mutable=["intermediates"])

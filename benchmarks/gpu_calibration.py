@@ -54,10 +54,10 @@ def dense_shapes(model, tokens: int) -> dict[str, tuple[int, int, int]]:
             "lm_head": (min(tokens, LM_HEAD_ROWS), d, model.vocab_size)}
 
 
-def grouped_shapes(model, tokens: int, impl: str) -> dict[str, dict]:
+def grouped_shapes(model, execution, tokens: int, impl: str) -> dict[str, dict]:
     """Windows of the shipped layout's size and of a quarter and a sixteenth of it (whole
     kernel tiles), each with its filled rows and experts."""
-    window = grouped_regime_shapes(model, tokens, impl)["window"]
+    window = grouped_regime_shapes(model, execution, tokens, impl)["window"]
     out = {}
     for name, part in (("window", 1), ("quarter", 4), ("sixteenth", 16)):
         rows = max(128, -(-window["rows"] // part // 128) * 128)
@@ -80,12 +80,12 @@ def programs(cfg, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
         out[f"dense/{name}"] = Program(jax.jit(lambda a, b: a @ b), make_dense)
 
     impl = _impl(mesh, smoke)
-    for name, shape in grouped_shapes(model, tokens, impl).items():
+    for name, shape in grouped_shapes(model, cfg.execution, tokens, impl).items():
         out.update(grouped_passes(model, impl, shape["rows"], shape["filled"], shape["experts"],
                                   prefix=f"grouped/{name}/"))
 
     # the model's kernel on one document (segments of ones)
-    attend = model_attention(model, mesh, smoke, jnp.ones((1, tokens), jnp.int32))
+    attend = model_attention(model, cfg.execution, mesh, smoke, jnp.ones((1, tokens), jnp.int32))
     make_attention = attention_inputs(model, tokens, seed=5)
     out["attention/forward"] = Program(jax.jit(attend), make_attention)
     out["attention/forward+backward"] = Program(jax.jit(jax.grad(
@@ -167,7 +167,7 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
         except Exception as e:  # noqa: BLE001 - one class failing must not lose the rest
             out[name] = {"error": one_line(e)}
 
-    model = cfg.model
+    model, execution = cfg.model, cfg.execution
 
     def dense():
         points = {}
@@ -179,7 +179,8 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
 
     def grouped():
         points = []
-        for name, shape in grouped_shapes(model, tokens, _impl(mesh, smoke)).items():
+        for name, shape in grouped_shapes(model, execution, tokens,
+                                          _impl(mesh, smoke)).items():
             work = 3 * 2.0 * shape["filled"] * model.d_model * model.expert_ffn_dim
             runs = _sum_times(*(timed(f"grouped/{name}/{kind}")
                                 for kind in ("fwd", "dgrad", "wgrad")))
@@ -188,7 +189,7 @@ def calibrate(built: dict[str, Program], cfg, tokens: int, mesh, smoke: bool, re
         return {"points": sorted(points, key=lambda p: p["size"])}
 
     s = tokens
-    chunk = backward_chunk_for(s, model.attention_backward_chunk)
+    chunk = backward_chunk_for(s, execution.attention_backward_chunk)
     run = flash_backward.kernel_pair_fraction([s], seq_len=-(-s // (chunk or s)) * (chunk or s),
                                               chunk=chunk or s, tile=LIBRARY_SEQ_MULTIPLE)
     per_pass = (2.0 * (model.qk_head_dim + model.v_head_dim) * model.n_heads

@@ -111,11 +111,12 @@ def check_grouped_matmul(programs, model, tokens: int, mesh, repeats: int) -> di
     return out
 
 
-def check_attention(programs, model, tokens: int, mesh, repeats: int, smoke: bool) -> dict:
+def check_attention(programs, model, execution, tokens: int, mesh, repeats: int,
+                    smoke: bool) -> dict:
     h, qk, vd = model.n_heads, model.qk_head_dim, model.v_head_dim
     work = 6.0 * h * (qk + vd) * tokens * (tokens + 1) // 2  # causal pairs (flops.py)
     out = {"tokens": tokens, "heads": h, "flops": work,
-           "kernels": {"model": attention_kernel(model, mesh, smoke),
+           "kernels": {"model": attention_kernel(execution, mesh, smoke),
                        "reference": attention_reference(mesh)}}
     for name, program in programs.items():
         section(out, name, lambda: {"tflops": work / timed(
@@ -336,23 +337,25 @@ def main() -> None:
     results.update({"device": device.device_kind, "backend": jax.default_backend(),
                     "smoke": smoke, "peak_bf16_tflops": peak / 1e12 if peak else None})
     cfg = config(smoke, tokens)
-    model, build = cfg.model, builders(cfg, tokens, smoke)
+    model, execution, build = cfg.model, cfg.execution, builders(cfg, tokens, smoke)
     start = time.perf_counter()
     section(results, "layer", lambda: check_layer(build["layer"](mesh), model, tokens, peak,
                                                   mesh, args.repeats))
     section(results, "grouped_matmul", lambda: check_grouped_matmul(
         build["grouped_matmul"](mesh), model, tokens, mesh, args.repeats))
     section(results, "attention", lambda: check_attention(build["attention"](mesh), model,
-                                                          tokens, mesh, args.repeats, smoke))
+                                                          execution, tokens, mesh,
+                                                          args.repeats, smoke))
     section(results, "offload", lambda: check_offload(build["offload"](mesh),
                                                       OFFLOAD_BYTES[smoke], mesh, args.repeats))
     with gpu_regimes.Clocks() as clocks:
         section(results, "moe_received", lambda: gpu_regimes.check_moe_received(
-            build["moe_received"](mesh), model, tokens, mesh, args.repeats))
+            build["moe_received"](mesh), model, execution, tokens, mesh, args.repeats))
         section(results, "grouped_regime", lambda: gpu_regimes.check_grouped_regime(
-            build["grouped_regime"](mesh), model, tokens, mesh, smoke, args.repeats))
+            build["grouped_regime"](mesh), model, execution, tokens, mesh, smoke,
+            args.repeats))
         section(results, "documents", lambda: gpu_regimes.check_documents(
-            build["documents"](mesh), model, tokens, mesh, args.repeats))
+            build["documents"](mesh), model, execution, tokens, mesh, args.repeats))
         section(results, "fp8_dot", lambda: gpu_regimes.check_fp8(
             build["fp8_dot"](mesh), tokens, smoke, mesh, args.repeats))
         # the efficiencies plan/price/hardware.py assumes, as `europa-jax plan --hardware` reads

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE_MODEL = dict(d_model=64, n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16, dense_ffn_dim=128, n_routed_experts=8,
                    expert_ffn_dim=32, top_k=4, n_group=4, topk_group=2,
-                   attention_block_size=64, vocab_size=512, vocab_pad_multiple=128)
+                   vocab_size=512, vocab_pad_multiple=128)
+SMOKE_EXECUTION = dict(attention_block_size=64)
 LOCAL_EXPERTS = 96  # europa-952b's 384 experts over the 4 GPUs of a node
 OFFLOAD_BYTES = {False: 2**30, True: 2**24}  # by smoke
 
@@ -66,10 +67,13 @@ def check_config(smoke: bool, tokens: int):
 
     cfg = load_config(os.path.join(REPO, "configs", "europa-952b.yaml"))
     model = dict(n_routed_experts=LOCAL_EXPERTS, param_dtype="bfloat16")
+    execution = {}
     if smoke:
         model.update(SMOKE_MODEL)
+        execution.update(SMOKE_EXECUTION)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, n_layers=1, n_dense_layers=0, **model),
+        execution=dataclasses.replace(cfg.execution, **execution),
         mesh=MeshConfig(), data=dataclasses.replace(cfg.data, seq_len=tokens,
                                                     global_batch_size=1))
 
@@ -87,7 +91,7 @@ def layer_flops(model, tokens: int) -> float:
 # Each check's functions, for the device of `mesh` (the GPU here, or a compile-only one).
 
 
-def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+def layer_programs(model, execution, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
 
@@ -97,12 +101,12 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     from europa_jax.model.block import DecoderBlock
 
     # the grouped matmul the mesh's platform gets ("auto": blocked on CPU, tokamax on GPU)
-    impl = kernels.grouped_matmul_impl(model, sharding.mesh_platform(mesh))
+    impl = kernels.grouped_matmul_impl(execution, sharding.mesh_platform(mesh))
     if smoke and impl == "tokamax":  # Mosaic GPU does not lower the smoke widths
         impl = "tokamax_triton"
-    block = DecoderBlock(dataclasses.replace(model, grouped_matmul=impl,
-                                             attention=attention_kernel(model, mesh, smoke)),
-                         is_moe=True)
+    block = DecoderBlock(model, dataclasses.replace(
+        execution, grouped_matmul=impl, attention=attention_kernel(execution, mesh, smoke)),
+        is_moe=True)
 
     def layer_inputs():  # made inside the jitted functions: no eager op on the target
         positions_BS = jnp.arange(tokens, dtype=jnp.int32)[None]
@@ -113,7 +117,8 @@ def layer_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     def make_args():
         x_BSD = jax.random.normal(jax.random.key(0), (1, tokens, model.d_model), jnp.bfloat16)
         # the same parameters whatever the kernels; init traces on this machine's backend
-        init_block = DecoderBlock(dataclasses.replace(model, attention="blockwise"), is_moe=True)
+        init_block = DecoderBlock(model, dataclasses.replace(execution, attention="blockwise"),
+                                  is_moe=True)
         return jax.jit(lambda x: init_block.init(jax.random.key(1), x, *layer_inputs()))(
             x_BSD), x_BSD
 
@@ -144,14 +149,14 @@ def grouped_matmul_programs(model, tokens: int) -> dict[str, Program]:
     return {name: Program(jax.jit(fn), make_args) for name, fn in fns.items()}
 
 
-def attention_kernel(model, mesh, smoke: bool) -> str:
+def attention_kernel(execution, mesh, smoke: bool) -> str:
     """The attention kernel the model uses on the mesh's platform (kernels.py: blockwise on
     CPU, tokamax's Mosaic GPU flash attention on GPU; Triton at the smoke widths, below
     what the Mosaic kernel tiles)."""
     from europa_jax.parallel import sharding
     from europa_jax.model import kernels
 
-    impl = kernels.attention_impl(model, sharding.mesh_platform(mesh))
+    impl = kernels.attention_impl(execution, sharding.mesh_platform(mesh))
     return "tokamax_triton" if smoke and impl == "tokamax" else impl
 
 
@@ -165,7 +170,8 @@ def attention_reference(mesh) -> str:
     return "blockwise" if sharding.mesh_platform(mesh) == "gpu" else "xla"
 
 
-def attention_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+def attention_programs(model, execution, tokens: int, mesh, smoke: bool
+                       ) -> dict[str, Program]:
     """"model" (the kernel the model runs here) and "reference", forward+backward, on
     one document of `tokens`, q/k 192 wide and v 128 as MLA's."""
     import jax
@@ -187,7 +193,7 @@ def attention_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Progr
             segments = jnp.ones((1, tokens), jnp.int32)
             if impl == "blockwise":
                 return blockwise_attention(q, k, v, segments, scale=scale,
-                                           block_size=model.attention_block_size)
+                                           block_size=execution.attention_block_size)
             if impl == "xla":  # the dense [S, S] reference: only at the smoke size
                 mask = attention_mask(jnp.arange(tokens), jnp.arange(tokens), segments,
                                       segments)
@@ -199,7 +205,7 @@ def attention_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Progr
         return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
                                 argnums=(0, 1, 2)))
 
-    return {"model": Program(with_kernel(attention_kernel(model, mesh, smoke)), make_args),
+    return {"model": Program(with_kernel(attention_kernel(execution, mesh, smoke)), make_args),
             "reference": Program(with_kernel(attention_reference(mesh)), make_args)}
 
 
@@ -225,8 +231,8 @@ def offload_programs(n_bytes: int, mesh) -> dict[str, Program]:
 
 def builders(cfg, tokens: int, smoke: bool) -> dict[str, Callable]:
     """Each check's programs for a mesh: the same for timing and for the GPU compile."""
-    model = cfg.model
-    return {"layer": lambda mesh: layer_programs(model, tokens, mesh, smoke),
+    model, execution = cfg.model, cfg.execution
+    return {"layer": lambda mesh: layer_programs(model, execution, tokens, mesh, smoke),
             "grouped_matmul": lambda mesh: grouped_matmul_programs(model, tokens),
-            "attention": lambda mesh: attention_programs(model, tokens, mesh, smoke),
+            "attention": lambda mesh: attention_programs(model, execution, tokens, mesh, smoke),
             "offload": lambda mesh: offload_programs(OFFLOAD_BYTES[smoke], mesh)}

@@ -41,11 +41,11 @@ MATMUL_KERNELS = re.compile(r"gemm|cutlass|xmma|wgmma|nvjet|ragged|mosaic|flash|
 GROUPED_BUFFER_ROWS, GROUPED_FILLED_ROWS = 131072, 32768
 
 
-def received_layout(model, tokens: int) -> dict:
+def received_layout(model, execution, tokens: int) -> dict:
     """The rows and copies one device of expert-parallel 4 receives in one dispatch."""
     from europa_jax.model.experts import moe_dispatch
 
-    capacity, _ = moe_dispatch.exchange_capacity(tokens, model, EXPERT_AXIS)
+    capacity, _ = moe_dispatch.exchange_capacity(tokens, model, execution, EXPERT_AXIS)
     rows = EXPERT_AXIS * capacity
     filled = min(rows, round(tokens * moe_dispatch.expected_destinations(model, EXPERT_AXIS)))
     return {"rows": rows, "slots": model.top_k, "filled_rows": filled,
@@ -60,18 +60,19 @@ def _impl(mesh, smoke: bool) -> str:
     return "tokamax_triton" if smoke else "tokamax"  # Mosaic does not lower the smoke widths
 
 
-def moe_received_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+def moe_received_programs(model, execution, tokens: int, mesh, smoke: bool
+                          ) -> dict[str, Program]:
     import jax
     import jax.numpy as jnp
 
     from europa_jax.model.experts import moe
     from europa_jax.model.experts.expert_matmul import compute_local_experts
 
-    lay = received_layout(model, tokens)
+    lay = received_layout(model, execution, tokens)
     e, d, f, u = model.n_routed_experts, model.d_model, model.expert_ffn_dim, model.top_k
     impl = _impl(mesh, smoke)
-    groups = moe.expert_groups(tokens, model, e)
-    window = moe.expert_window_rows(tokens, model, groups)
+    groups = moe.expert_groups(tokens, model, execution, e)
+    window = moe.expert_window_rows(tokens, model, execution, groups)
 
     def make_args():
         r = lay["rows"]
@@ -95,11 +96,12 @@ def moe_received_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Pr
     return {"fwd+bwd": Program(grad, make_args)}
 
 
-def grouped_regime_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+def grouped_regime_programs(model, execution, tokens: int, mesh, smoke: bool
+                            ) -> dict[str, Program]:
     """Forward, dgrad and wgrad of one grouped matmul [M, D] × [E, D, F] on a buffer of
     which the first rows are filled, evenly over the experts; and one expert window."""
     programs = {}
-    for name, v in grouped_regime_shapes(model, tokens, _impl(mesh, smoke)).items():
+    for name, v in grouped_regime_shapes(model, execution, tokens, _impl(mesh, smoke)).items():
         programs.update(grouped_passes(model, _impl(mesh, smoke), v["rows"], v["filled"],
                                        v["experts"], prefix=f"{name}/"))
     return programs
@@ -133,30 +135,31 @@ def grouped_passes(model, impl: str, rows: int, filled: int, experts: int, *, pr
                                       make_args)}
 
 
-def grouped_regime_shapes(model, tokens: int, impl: str = "tokamax") -> dict:
+def grouped_regime_shapes(model, execution, tokens: int, impl: str = "tokamax") -> dict:
     """Rows, filled rows and experts of the two grouped-matmul regimes (the smoke size
     shrinks the buffer with the tokens)."""
     from europa_jax.model.experts import expert_windows, moe
 
     e = model.n_routed_experts
     scale = tokens / 65536
-    groups = moe.expert_groups(tokens, model, e)
-    window = expert_windows.Windows(impl, groups, moe.expert_window_rows(tokens, model, groups))
+    groups = moe.expert_groups(tokens, model, execution, e)
+    window = expert_windows.Windows(impl, groups,
+                                    moe.expert_window_rows(tokens, model, execution, groups))
     return {"buffer": {"rows": max(64, round(GROUPED_BUFFER_ROWS * scale)),
                        "filled": max(16, round(GROUPED_FILLED_ROWS * scale)), "experts": e},
             "window": {"rows": window.window,
-                       "filled": round(window.window / model.moe_buffer_factor),
+                       "filled": round(window.window / execution.moe_buffer_factor),
                        "experts": e // groups}}
 
 
-def document_programs(model, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
+def document_programs(model, execution, tokens: int, mesh, smoke: bool) -> dict[str, Program]:
     """The model's attention forward+backward on one document, and on 64 of equal length."""
     import jax
     import jax.numpy as jnp
 
     def with_documents(n: int):
         segments = (jnp.arange(tokens, dtype=jnp.int32) // (tokens // n) + 1)[None]
-        attend = model_attention(model, mesh, smoke, segments)
+        attend = model_attention(model, execution, mesh, smoke, segments)
         return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(),
                                 argnums=(0, 1, 2)))
 
@@ -180,20 +183,20 @@ def attention_inputs(model, tokens: int, seed: int = 0):
     return make_args
 
 
-def model_attention(model, mesh, smoke: bool, segments_BS):
+def model_attention(model, execution, mesh, smoke: bool, segments_BS):
     """attend(q, k, v): the model's attention kernel on the mesh's platform (gpu_programs.
     attention_kernel), masked by these documents, with the model's backward chunk."""
     from europa_jax.model.attention import library_attention, blockwise_attention
     from gpu_programs import attention_kernel
 
-    impl, scale = attention_kernel(model, mesh, smoke), model.qk_head_dim ** -0.5
+    impl, scale = attention_kernel(execution, mesh, smoke), model.qk_head_dim ** -0.5
 
     def attend(q, k, v):
         if impl == "blockwise":
             return blockwise_attention(q, k, v, segments_BS, scale=scale,
-                                       block_size=model.attention_block_size)
+                                       block_size=execution.attention_block_size)
         return library_attention(q, k, v, segments_BS, scale=scale, impl=impl,
-                                 backward_chunk=model.attention_backward_chunk)
+                                 backward_chunk=execution.attention_backward_chunk)
 
     return attend
 
@@ -224,10 +227,11 @@ def fp8_shape(tokens: int, smoke: bool) -> tuple[int, int, int]:
 
 
 def builders(cfg, tokens: int, smoke: bool) -> dict:
-    model = cfg.model
-    return {"moe_received": lambda mesh: moe_received_programs(model, tokens, mesh, smoke),
-            "grouped_regime": lambda mesh: grouped_regime_programs(model, tokens, mesh, smoke),
-            "documents": lambda mesh: document_programs(model, tokens, mesh, smoke),
+    model, ex = cfg.model, cfg.execution
+    return {"moe_received": lambda mesh: moe_received_programs(model, ex, tokens, mesh, smoke),
+            "grouped_regime": lambda mesh: grouped_regime_programs(model, ex, tokens, mesh,
+                                                                   smoke),
+            "documents": lambda mesh: document_programs(model, ex, tokens, mesh, smoke),
             "fp8_dot": lambda mesh: fp8_programs(tokens, smoke)}
 
 
@@ -276,22 +280,24 @@ def profiled(fn, args, repeats: int) -> dict:
         return {"seconds": seconds, "profile": kernel_time_split(trace_dir)}
 
 
-def check_moe_received(programs, model, tokens: int, mesh, repeats: int) -> dict:
+def check_moe_received(programs, model, execution, tokens: int, mesh, repeats: int) -> dict:
     from gpu_programs import inputs
 
     program = programs["fwd+bwd"]
-    lay = received_layout(model, tokens)
+    lay = received_layout(model, execution, tokens)
     work = 3 * 2.0 * lay["copies"] * 3 * model.d_model * model.expert_ffn_dim  # fwd+bwd
     out = {**lay, "flops": work, **profiled(program.fn, inputs(program, mesh), repeats)}
     out["tflops"] = work / out["seconds"] / 1e12
     return out
 
 
-def check_grouped_regime(programs, model, tokens: int, mesh, smoke: bool, repeats: int) -> dict:
+def check_grouped_regime(programs, model, execution, tokens: int, mesh, smoke: bool,
+                         repeats: int) -> dict:
     from gpu_programs import inputs
 
     out = {}
-    for name, shape in grouped_regime_shapes(model, tokens, _impl(mesh, smoke)).items():
+    for name, shape in grouped_regime_shapes(model, execution, tokens,
+                                             _impl(mesh, smoke)).items():
         work = 2.0 * shape["filled"] * model.d_model * model.expert_ffn_dim
         part = out[name] = {**shape, "flops_per_pass": work}
         for kind in ("fwd", "dgrad", "wgrad"):
@@ -301,10 +307,10 @@ def check_grouped_regime(programs, model, tokens: int, mesh, smoke: bool, repeat
     return out
 
 
-def check_documents(programs, model, tokens: int, mesh, repeats: int) -> dict:
+def check_documents(programs, model, execution, tokens: int, mesh, repeats: int) -> dict:
     from gpu_programs import inputs
 
-    out = {"tokens": tokens, "backward_chunk": model.attention_backward_chunk}
+    out = {"tokens": tokens, "backward_chunk": execution.attention_backward_chunk}
     for name, program in programs.items():
         section(out, name, lambda: {"seconds": timed(program.fn, *inputs(program, mesh),
                                                      repeats=repeats)})

@@ -52,7 +52,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.dirname(os.path.abspath(__file__))]  # europa_jax, gpu_shared
-from gpu_programs import SMOKE_MODEL  # noqa: E402
+from gpu_programs import SMOKE_EXECUTION, SMOKE_MODEL  # noqa: E402
 from gpu_shared import gpu_count, gpu_driver_present  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "europa-952b.yaml")
@@ -63,13 +63,14 @@ CONFIG = os.path.join(REPO, "configs", "europa-952b.yaml")
 # ids), 2,048-token rows.
 FULL = ["model.n_layers=2", "model.n_dense_layers=0", "model.vocab_size=32768",
         "model.vocab_pad_multiple=128", "data.seq_len=2048",
-        "model.attention_backward_chunk=2048"]
-# the same at gpu_check's smoke widths (gpu_programs.SMOKE_MODEL), for CI
+        "execution.attention_backward_chunk=2048"]
+# the same at gpu_check's smoke widths (gpu_programs.SMOKE_MODEL, SMOKE_EXECUTION), for CI
 TINY = ["model.n_layers=2", "model.n_dense_layers=1",
         *(f"model.{key}={value}" for key, value in SMOKE_MODEL.items()
           if key != "n_routed_experts"),  # per device: overrides()
-        "model.param_pad_multiple=1", "model.loss_chunk_tokens=0",
-        "model.attention_backward_chunk=0", "data.seq_len=256"]
+        *(f"execution.{key}={value}" for key, value in SMOKE_EXECUTION.items()),
+        "execution.param_pad_multiple=1", "execution.loss_chunk_tokens=0",
+        "execution.attention_backward_chunk=0", "data.seq_len=256"]
 # by tiny; routed top-8 (tiny: top-4) in europa-952b's 4 groups, two of them per token
 EXPERTS_PER_DEVICE = {False: 16, True: 8}
 COMMON = ["optim.warmup_steps=1",  # the first step already moves the weights
@@ -95,7 +96,7 @@ def overrides(tiny: bool, devices: int, exchange: str = "auto") -> list[str]:
     experts = EXPERTS_PER_DEVICE[tiny] * devices
     return [*(TINY if tiny else FULL), *COMMON, f"model.n_routed_experts={experts}",
             "mesh.data=1", f"mesh.expert={devices}", f"data.global_batch_size={devices}",
-            f"model.attention_context_parallel={str(devices > 1).lower()}",
+            f"execution.attention_context_parallel={str(devices > 1).lower()}",
             f"comm.expert_exchange={exchange}"]
 
 

@@ -4,7 +4,7 @@
         [--chunks 2048,4096,8192] [--policies none,optimizer,optimizer+inputs] [--json OUT]
 
 Each cell is one `europa-jax plan CONFIG --devices N --target gh200 --json` with
-`--set model.moe_chunk_tokens=C` and the policy's `--set`s, run as its own process: the
+`--set execution.moe_chunk_tokens=C` and the policy's `--set`s, run as its own process: the
 step compiled for the GPU target (gpu_target.py), so every number is XLA:GPU's own
 `memory_analysis()` of the program a GH200 would run. Policies:
 - none: optimizer state in HBM, every layer recomputed from its saved input, kept in HBM;
@@ -35,7 +35,7 @@ POLICIES = {
 
 
 def plan_cell(config: str, devices: int, chunk: int, policy: str) -> dict:
-    sets = [f"model.moe_chunk_tokens={chunk}", *POLICIES[policy]]
+    sets = [f"execution.moe_chunk_tokens={chunk}", *POLICIES[policy]]
     command = [sys.executable, "-m", "europa_jax.cli", "plan", config, "--devices",
                str(devices), "--target", "gh200", "--json"]
     for item in sets:

@@ -58,7 +58,7 @@ def run_train(tree: Path, config: Path, dtype: str, steps: int,
         env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
         command = [python, "-m", "europa_jax.cli", "train", str(config), "--quiet",
                    "--run-dir", run_dir, "--set", f"train.steps={steps}",
-                   "--set", f"model.compute_dtype={dtype}", "--set", "train.log_every=1",
+                   "--set", f"execution.compute_dtype={dtype}", "--set", "train.log_every=1",
                    "--set", "train.eval_every=0", *(a for o in overrides for a in ("--set", o))]
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -103,7 +103,8 @@ def profile(config: Path, dtype: str, out_dir: Path) -> dict[str, float]:
     from profile_breakdown import breakdown
 
     cfg = load_config(str(config))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
+    cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution,
+                                                                 compute_dtype=dtype))
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
     state = train.init_state(trainer, cfg.train.seed)

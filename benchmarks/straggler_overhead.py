@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["model.d_model=32", "model.remat=none", "data.max_documents=40",
+TINY = ["model.d_model=32", "execution.remat=none", "data.max_documents=40",
         "data.global_batch_size=8", "train.eval_every=0", "train.log_every=1",
-        "data.seq_len=64", "model.attention_block_size=64", "checkpoint.every_steps=0"]
+        "data.seq_len=64", "execution.attention_block_size=64", "checkpoint.every_steps=0"]
 
 
 def step_hlo(factor: float) -> str:

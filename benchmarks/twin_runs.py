@@ -3,8 +3,8 @@ each trained by `europa-jax train`, compared on their loss curves and validation
 The spread between seeds of one arm is the noise the gap between arms is read against.
 
     python benchmarks/twin_runs.py --out runs/twins-fp8 --steps 300 --seeds 0 1 \
-        --arm bf16 model.compute_dtype=bfloat16 \
-        --arm fp8-blocks model.compute_dtype=bfloat16 model.fp8_gemms=block \
+        --arm bf16 execution.compute_dtype=bfloat16 \
+        --arm fp8-blocks execution.compute_dtype=bfloat16 execution.fp8_gemms=block \
         [--config configs/small-cpu.yaml] [--set KEY=VALUE ...] [--plot docs/x.png] \
         [--title TEXT] [--also METRIC ...] [--json OUT]
 

@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                       "table and the fastest that fits (plan/layout_search.py)")
     plan.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                       help="a dimension of the --search grid (default: mesh.expert over "
-                      "1–16 nodes × model.moe_chunk_tokens whole or a quarter row)")
+                      "1–16 nodes × execution.moe_chunk_tokens whole or a quarter row)")
     plan.add_argument("--jobs", type=int, default=1, metavar="N",
                       help="--search: plan N layouts at once (each compile of europa-952b "
                       "holds ~2.5 GB of RAM and mostly one core)")

@@ -2,8 +2,8 @@
 
 Every check that can be made before a compile is made here, so a bad config fails in a
 second with a one-line `ConfigError` naming the key and value instead of deep in XLA.
-The model's section is config_model.py and the train section config_train.py (both
-re-exported here), the shared error and checks
+The model's section is config_model.py, how it runs config_execution.py and the train
+section config_train.py (all re-exported here), the shared error and checks
 config_checks.py; reading YAML into these classes is config_loader.py. None of them
 imports jax: the CLI reads a config before it decides how many CPU devices jax should
 create.
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 # re-exported: `from europa_jax.config import ConfigError, ModelConfig` everywhere
 from europa_jax.config_checks import ConfigError, positive  # noqa: F401
+from europa_jax.config_execution import ExecutionConfig
 from europa_jax.config_model import ModelConfig, RopeScalingConfig  # noqa: F401
 from europa_jax.config_train import TrainConfig
 
@@ -94,7 +95,7 @@ class OffloadConfig:
 
     optimizer_state: bool = False
     master_params: bool = False
-    # Saved-activation policy by name (offload.py PRESETS); `none` keeps model.remat's choice.
+    # Saved-activation policy by name (offload.py PRESETS); `none` keeps execution.remat's choice.
     activations: str = "none"
 
     def __post_init__(self):
@@ -261,6 +262,7 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -270,21 +272,22 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
-        m, mesh, data = self.model, self.mesh, self.data
+        m, ex, mesh, data = self.model, self.execution, self.mesh, self.data
         if m.n_routed_experts % mesh.expert:
             raise ConfigError(f"model.n_routed_experts: {m.n_routed_experts} is not divisible by "
                               f"mesh.expert={mesh.expert}")
-        if data.seq_len % m.attention_block_size:
+        if data.seq_len % ex.attention_block_size:
             raise ConfigError(f"data.seq_len: {data.seq_len} is not divisible by "
-                              f"model.attention_block_size={m.attention_block_size}")
-        if 0 < m.loss_chunk_tokens < data.seq_len and data.seq_len % m.loss_chunk_tokens:
-            raise ConfigError(f"model.loss_chunk_tokens: {m.loss_chunk_tokens} does not divide "
-                              f"data.seq_len={data.seq_len} (0 = the whole sequence at once)")
-        if 0 < m.moe_chunk_tokens < data.seq_len and data.seq_len % m.moe_chunk_tokens:
-            raise ConfigError(f"model.moe_chunk_tokens: {m.moe_chunk_tokens} does not divide "
+                              f"execution.attention_block_size={ex.attention_block_size}")
+        if 0 < ex.loss_chunk_tokens < data.seq_len and data.seq_len % ex.loss_chunk_tokens:
+            raise ConfigError(f"execution.loss_chunk_tokens: {ex.loss_chunk_tokens} does not "
+                              f"divide data.seq_len={data.seq_len} (0 = the whole sequence at "
+                              "once)")
+        if 0 < ex.moe_chunk_tokens < data.seq_len and data.seq_len % ex.moe_chunk_tokens:
+            raise ConfigError(f"execution.moe_chunk_tokens: {ex.moe_chunk_tokens} does not divide "
                               f"data.seq_len={data.seq_len} (0 = all tokens at once)")
-        if m.attention_context_parallel and m.n_heads % mesh.node_group:
-            raise ConfigError(f"model.attention_context_parallel: model.n_heads={m.n_heads} is "
+        if ex.attention_context_parallel and m.n_heads % mesh.node_group:
+            raise ConfigError(f"execution.attention_context_parallel: model.n_heads={m.n_heads} is "
                               f"not divisible by the {mesh.node_group} GPUs of a node's expert "
                               "group (each takes n_heads / that many heads)")
         if self.comm.expert_dispatch == "two_stage" and mesh.expert_nodes == 1:
@@ -299,9 +302,9 @@ class Config:
                               f"{mesh.expert}, devices_per_node={mesh.devices_per_node}): "
                               "node-limited routing needs every group inside one node")
         local_experts = m.n_routed_experts // mesh.expert
-        if m.moe_expert_groups and local_experts % m.moe_expert_groups:
-            raise ConfigError(f"model.moe_expert_groups: {m.moe_expert_groups} does not divide "
-                              f"the {local_experts} experts of each device "
+        if ex.moe_expert_groups and local_experts % ex.moe_expert_groups:
+            raise ConfigError(f"execution.moe_expert_groups: {ex.moe_expert_groups} does not "
+                              f"divide the {local_experts} experts of each device "
                               f"(n_routed_experts / mesh.expert)")
         if data.global_batch_size % mesh.n_devices:
             raise ConfigError(f"data.global_batch_size: {data.global_batch_size} is not divisible "
@@ -318,10 +321,10 @@ class Config:
             raise ConfigError(f"train.eval_every: {self.train.eval_every} but there are no "
                               "validation documents (set data.validation_fraction or "
                               "data.validation_path)")
-        if m.layer_input_format != "compute_dtype" and \
+        if ex.layer_input_format != "compute_dtype" and \
                 self.offload.activations not in PRESETS_KEEPING_LAYER_INPUT:
-            raise ConfigError(f"model.layer_input_format: {m.layer_input_format} makes the kept "
-                              "layer inputs smaller, but offload.activations="
+            raise ConfigError(f"execution.layer_input_format: {ex.layer_input_format} makes the "
+                              "kept layer inputs smaller, but offload.activations="
                               f"{self.offload.activations} keeps none (use one of: "
                               + ", ".join(PRESETS_KEEPING_LAYER_INPUT) + ")")
         if data.source == "stdlib" and m.vocab_size < BYTE_VOCAB_SIZE:
@@ -332,19 +335,19 @@ class Config:
     def _check_eval_rows(self) -> None:
         """The downstream evaluation's rows [data.global_batch_size, train.eval_tasks_seq_len]
         must suit the kernels as the training rows do (eval/forward.py)."""
-        m, length = self.model, self.train.eval_tasks_seq_len
+        ex, length = self.execution, self.train.eval_tasks_seq_len
         if not length:
             return
         key = f"train.eval_tasks_seq_len: {length}"
         if length > self.data.seq_len:
             raise ConfigError(f"{key} > data.seq_len={self.data.seq_len} (the rows are never "
                               "longer than the training rows)")
-        if length % m.attention_block_size:
-            raise ConfigError(f"{key} is not divisible by model.attention_block_size="
-                              f"{m.attention_block_size}")
+        if length % ex.attention_block_size:
+            raise ConfigError(f"{key} is not divisible by execution.attention_block_size="
+                              f"{ex.attention_block_size}")
         tokens = self.data.global_batch_size // self.mesh.n_devices * length
-        if 0 < m.moe_chunk_tokens < tokens and tokens % m.moe_chunk_tokens:
-            raise ConfigError(f"{key}: model.moe_chunk_tokens={m.moe_chunk_tokens} does not "
+        if 0 < ex.moe_chunk_tokens < tokens and tokens % ex.moe_chunk_tokens:
+            raise ConfigError(f"{key}: execution.moe_chunk_tokens={ex.moe_chunk_tokens} does not "
                               f"divide the {tokens} tokens each device evaluates at once")
 
 

@@ -1,7 +1,7 @@
 """What every config section checks with: the one error type and the common checks.
 
-A module of its own so that the sections (config.py, config_model.py) share it without
-importing each other.
+A module of its own so that the sections (config.py, config_model.py, config_execution.py)
+share it without importing each other.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ from typing import Any, Literal
 import yaml
 
 from europa_jax.config import Config, ConfigError
+from europa_jax.config_execution import MOVED_FROM_MODEL
+
+# Keys that moved between sections: `old.key` → `new.key`. A config file or `--set` that
+# names an old key is refused in one line naming the new one; a checkpoint's saved config
+# (written by the version before the move) is moved by `saved_config`.
+MOVED = {f"model.{key}": f"execution.{key}" for key in MOVED_FROM_MODEL}
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
@@ -41,12 +47,27 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 def _origin(message: str, path: Path, overrides: typing.Sequence[str]) -> str:
     """Where the key a message names (its first word) came from: the last `--set` that
     set it (or a section above it), else the file."""
-    key = message.split(":", 1)[0]
+    key = message.split(":", 1)[0].split(" ", 1)[0]
     for item in reversed(overrides):
         set_key = item.split("=", 1)[0].strip()
         if set_key == key or set_key.startswith(key + "."):
             return f"--set {item} (on {path})"
     return str(path)
+
+
+def saved_config(raw: dict) -> dict:
+    """A config as a checkpoint saved it (nested dicts), in this version's layout: the keys
+    saved in a section they have since left (MOVED: `model.remat` before `execution:` held
+    it) moved to their section. Only for saved configs: a user's file with an old key is
+    refused (from_dict). Returns a new dict; `raw` is unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for old, new in MOVED.items():
+        old_section, key = old.split(".", 1)
+        new_section, new_key = new.split(".", 1)
+        if isinstance(out.get(old_section), dict) and key in out[old_section]:
+            value = out[old_section].pop(key)
+            out.setdefault(new_section, {}).setdefault(new_key, value)
+    return out
 
 
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
@@ -77,6 +98,8 @@ def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in raw.items():
+        if f"{prefix}{key}" in MOVED:
+            raise ConfigError(f"{prefix}{key} moved to {MOVED[f'{prefix}{key}']}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""

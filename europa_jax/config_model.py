@@ -1,6 +1,8 @@
-"""The model's section of the run configuration: DeepSeek-V3 / Kimi-K2 family shapes,
-kernels and MoE buffers (`model:` in a config file; config.py holds the other sections
-and the checks across them). Imports no jax.
+"""The model's section of the run configuration: what the model is — DeepSeek-V3 /
+Kimi-K2 family shapes, routing and objective: what an exported config.json holds and what
+defines the function the model computes (`model:` in a config file). How it runs —
+kernels, precision, MoE buffers, recomputation — is config_execution.py's; config.py
+holds the other sections and the checks across them. Imports no jax.
 """
 
 from __future__ import annotations
@@ -38,10 +40,6 @@ class ModelConfig:
     # Rows of the embedding/head are padded to a multiple of this so that the vocab
     # dimension divides the mesh (2^k vocabularies do not divide 96 nodes × 4).
     vocab_pad_multiple: int = 128
-    # A weight with no data-shardable dimension that is a multiple of this is stored with
-    # one dimension zero-padded to one (sharding.storage_shape): on 96 nodes, 96, so that
-    # no weight is copied on every node. 1 = never pad.
-    param_pad_multiple: int = 1
     d_model: int
     n_layers: int
     n_dense_layers: int = 1
@@ -80,81 +78,19 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    attention_block_size: int = 512  # the blockwise kernel's query/key block length
-    # Attention kernel (model/kernels.py): auto = on CPU `dense` (all [S, S] scores at once)
-    # where one device's scores fit, else the blockwise scan; tokamax's flash attention on
-    # GPU (Mosaic GPU; `tokamax_triton`: its Triton kernel; `tokamax_xla`: tokamax's XLA
-    # path, which builds a [S, S] mask: tests only).
-    attention: Literal["auto", "dense", "blockwise", "tokamax", "tokamax_triton",
-                       "tokamax_xla"] = "auto"
-    # tokamax's flash attention backward (GPU) runs on pairs of chunks of this many
-    # positions and skips the pairs no query can see (model/flash_backward.py): short
-    # documents cost their own length, not the row's. 0 = tokamax's own backward.
-    attention_backward_chunk: int = 8192
-    # Context parallelism over the node (parallel/comm.py AttentionGroup): the node's GPUs
-    # compute the attention of all the node's rows together, each for n_heads / mesh.expert
-    # heads, so a GPU holding one 65,536-token document no longer sets the step; the data
-    # balancer then balances nodes, not single ranks (data/packing.py).
-    attention_context_parallel: bool = False
-    # The loss makes logits this many positions at a time (f32 [B, chunk, V]); 0 = whole
-    # sequence. At 65,536 × 262,272 the whole sequence's logits are 68.75 GB per GPU.
-    loss_chunk_tokens: int = 4096
-    # Expert matmuls (moe.grouped_swiglu): auto = blocked on CPU (exact, fast on XLA:CPU),
-    # tokamax's grouped-matmul kernel on GPU; ragged_dot is jax.lax's (dense on GPU today).
-    grouped_matmul: Literal["auto", "blocked", "tokamax", "tokamax_triton",
-                            "ragged_dot"] = "auto"
-    # FP8 for the weight GEMMs, forward and backward (model/fp8/fp8_linear.py; docs/open-
-    # questions.md): `tensor` = e4m3 operands (e5m2 gradients) with one power-of-two scale
-    # per tensor, what XLA's GPU compiler runs as cuBLASLt FP8 GEMMs on Hopper; `block` =
-    # DeepSeek-V3's 1×128 / 128×128 scales, emulated (a numerics study: on a GPU no faster
-    # than bf16). Attention's projections, the dense MLPs, the shared experts and the MTP
-    # projection; never the router, the head or attention's scores.
-    fp8_gemms: Literal["none", "tensor", "block"] = "none"
-    # The routed experts' GEMMs in DeepSeek-V3's FP8, emulated (`block`): with the `blocked`
-    # expert kernel only — no FP8 grouped GEMM with block scales exists for Hopper.
-    fp8_expert_gemms: Literal["none", "block"] = "none"
     # null = dropless. A float bounds rows per peer to ceil(factor · T·K / ep); rows past
     # it are dropped (moe_dropped_fraction).
     moe_capacity_factor: float | None = None
-    # Dropless buffers are sized at this multiple of their expected fill under uniform
-    # routing (model/experts/moe.py): rows per peer of the exchange, copies per expert window.
-    # What does not fit goes in an overflow round (exchange) or window (experts): exact.
-    moe_buffer_factor: float = 1.25
-    # Library grouped matmuls visit the local experts this many at a time, each group's
-    # copies in windows (model/experts/expert_windows.py); 0 = the fewest groups whose window is
-    # at most 65,536 copies. Must divide the local experts.
-    moe_expert_groups: int = 0
-    # Each MoE layer dispatches its tokens this many at a time (0 = all at once): dropless
-    # buffers are sized by the chunk (ep·chunk·K rows), not by the whole 65,536-token row.
-    moe_chunk_tokens: int = 0
-    # With k rows per device (data.global_batch_size = k × devices), each decoder layer
-    # gathers its weights once and then runs the rows one at a time (model/row_loop.py):
-    # the gathered bytes of k rows at the temporaries of one.
-    row_loop: bool = False
-    # What each decoder layer's branches read of its input, and so what the activation
-    # policy keeps of it for the backward (model/layer_input.py): the input itself, or an
-    # e4m3 copy in 1×128 tiles at half the bytes (the residual stream stays exact).
-    layer_input_format: Literal["compute_dtype", "e4m3"] = "compute_dtype"
-    scan_layers: bool = True
-    remat: Literal["none", "full"] = "full"
 
     def __post_init__(self):
-        positive("model", self, "vocab_size", "vocab_pad_multiple", "param_pad_multiple", "d_model",
-                  "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        positive("model", self, "vocab_size", "vocab_pad_multiple", "d_model", "n_layers",
+                  "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "dense_ffn_dim", "n_routed_experts",
                   "expert_ffn_dim", "top_k", "n_group", "topk_group", "rms_norm_eps",
-                  "rope_theta", "max_position_embeddings", "attention_block_size", "init_std")
+                  "rope_theta", "max_position_embeddings", "init_std")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"model.n_dense_layers: {self.n_dense_layers} must be in [0, "
                               f"model.n_layers={self.n_layers}]")
-        if self.moe_chunk_tokens < 0:
-            raise ConfigError(f"model.moe_chunk_tokens: {self.moe_chunk_tokens} must be >= 0")
-        if self.attention_backward_chunk < 0:
-            raise ConfigError(f"model.attention_backward_chunk: {self.attention_backward_chunk} "
-                              "must be >= 0 (0: tokamax's own backward)")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(f"model.loss_chunk_tokens: {self.loss_chunk_tokens} must be >= 0")
         if self.n_shared_experts < 0:
             raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} must be >= 0")
         if self.top_k > self.n_routed_experts:
@@ -184,11 +120,6 @@ class ModelConfig:
                               f"layers={self.n_dense_layers} = model.n_layers")
         if not self.mtp_loss_weight >= 0:
             raise ConfigError(f"model.mtp_loss_weight: {self.mtp_loss_weight} must be >= 0")
-        if self.moe_buffer_factor <= 0:
-            raise ConfigError(f"model.moe_buffer_factor: {self.moe_buffer_factor} must be "
-                              "positive")
-        if self.moe_expert_groups < 0:
-            raise ConfigError(f"model.moe_expert_groups: {self.moe_expert_groups} must be >= 0")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"model.moe_capacity_factor: {self.moe_capacity_factor} must be "
                               "positive or null (dropless)")

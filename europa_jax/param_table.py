@@ -269,7 +269,7 @@ def stack_holds(stack: str, p: Param) -> bool:
 
 def model_shapes(abstract_params: Any, m: ModelConfig) -> Any:
     """The tree of shape tuples the model computes with (stacked layers keep their leading
-    axis): the stored shapes without storage padding (model.param_pad_multiple)."""
+    axis): the stored shapes without storage padding (execution.param_pad_multiple)."""
     def shape(path, leaf):
         own = tuple(row_of_path(path).shape(m))
         return tuple(leaf.shape[:leaf.ndim - len(own)]) + own

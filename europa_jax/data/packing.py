@@ -117,7 +117,7 @@ def pack(length_X: np.ndarray, *, seq_len: int, n_ranks: int, balance: bool,
          ranks_per_unit: int = 1) -> Placement:
     """The global batch layout: stream order, or balanced when that lowers the slowest rank.
 
-    `ranks_per_unit`: ranks that compute attention together (model.attention_context_parallel:
+    `ranks_per_unit`: ranks that compute attention together (execution.attention_context_parallel:
     a node's GPUs share the attention of the node's rows), balanced as one unit — their
     rows' Σ length² together, so a long document shares its node with light rows.
 

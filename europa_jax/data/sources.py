@@ -140,4 +140,4 @@ def _iterator(cfg: Config, sources: list[Source], process_index: int, process_co
         n_ranks=cfg.mesh.n_devices, seed=data.seed, balance=data.balance,
         max_documents=data.max_documents, process_index=process_index,
         process_count=process_count, prefetch=prefetch, ranks_per_node=cfg.mesh.node_group,
-        balance_nodes=cfg.model.attention_context_parallel)
+        balance_nodes=cfg.execution.attention_context_parallel)

@@ -57,7 +57,8 @@ class EvalForward:
         self.row_sharding = NamedSharding(placed, P(spec[0]))
         replicated = NamedSharding(placed, P())
         # the trained model's parameters and kernels; only the MoE made dropless
-        model = Transformer(dataclasses.replace(trainer.cfg.model, moe_capacity_factor=None))
+        model = Transformer(dataclasses.replace(trainer.cfg.model, moe_capacity_factor=None),
+                            trainer.cfg.execution)
         params_in = trainer.state_shardings.params
 
         def sharded(body, extra_spec, out_specs):

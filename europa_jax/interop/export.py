@@ -171,7 +171,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     # what the checkpoint must hold, from its own config: checked as arrays are opened
     ours = hf_layout.state_shapes(train.abstract_params(cfg), cfg.model)
     reader = CheckpointReader(step_dir, meta["fingerprint"], ours)
-    tensors = list(hf_layout.tensors(cfg.model, ours))
+    tensors = list(hf_layout.tensors(cfg.model, ours, cfg.execution.scan_layers))
     float32 = {t.name for t in tensors if t.float32}
 
     def out_dtype(name: str):

@@ -179,7 +179,7 @@ def read_region(weights: SafetensorsDir, t: hf_layout.HFTensor, item_shape: tupl
     the HF block that holds the region: its bounding box through the layout map."""
     source = t.source
     if source.shape is not None and tuple(source.shape) != tuple(item_shape):
-        # stored with zero padding (model.param_pad_multiple): read the model's part only
+        # stored with zero padding (execution.param_pad_multiple): read the model's part only
         return _padded(region, source.shape, lambda inner: read_region(
             weights, dataclasses.replace(t, source=dataclasses.replace(source, shape=None)),
             tuple(source.shape), inner))
@@ -267,7 +267,8 @@ def import_hf(hf_dir: str | Path, cfg: Config, run_dir: str | Path,
               jax.tree_util.tree_flatten_with_path(
                   {"params": trainer.abstract_params,
                    param_table.ROUTER_BIAS.key: trainer.abstract_state.router_bias_LE})[0]}
-    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()}))
+    plan = list(hf_layout.tensors(cfg.model, {k: v.shape for k, v in leaves.items()},
+                                  cfg.execution.scan_layers))
     check_weights(weights, plan, cfg.model.n_layers + cfg.model.mtp_layers,
                   hf_config.get("torch_dtype"))
     # No `train` may start in the run directory while the import fills it (its commit

@@ -34,7 +34,7 @@ class Source:
     n_in: int | None  # leading dims that are the Linear's input; None for the other kinds
     kind: str = "linear"  # linear | expert (one of an [E, in, out] stack) | vector | embedding | lm_head
     # the item's shape as the model uses it; stored with zero padding where it differs
-    # (model.param_pad_multiple, sharding.storage_shape). None: as stored.
+    # (execution.param_pad_multiple, sharding.storage_shape). None: as stored.
     shape: tuple[int, ...] | None = None
 
 
@@ -81,8 +81,10 @@ def hf_shape(our_shape: tuple[int, ...], source: Source, vocab_size: int) -> tup
     return to_hf(np.empty(our_shape, np.uint8), source, vocab_size).shape
 
 
-def block_key(cfg: ModelConfig, layer: int, role: str) -> tuple[str, tuple[int, ...]]:
-    """Leaf key and leading index of HF layer `layer`'s `role` (scanned or unrolled stacks);
+def block_key(cfg: ModelConfig, layer: int, role: str,
+              scanned: bool) -> tuple[str, tuple[int, ...]]:
+    """Leaf key and leading index of HF layer `layer`'s `role` (`scanned` stacks,
+    `execution.scan_layers`, or unrolled ones);
     layers `n_layers` … are the MTP modules, as DeepSeek-V3's release numbers them."""
     dense_stack, moe_stack, mtp_stack = param_table.STACKS
     if layer >= cfg.n_layers:
@@ -91,7 +93,7 @@ def block_key(cfg: ModelConfig, layer: int, role: str) -> tuple[str, tuple[int, 
         stack, i = moe_stack, layer - cfg.n_dense_layers
     else:
         stack, i = dense_stack, layer
-    key, index = param_table.stack_key(stack, i, cfg.scan_layers)
+    key, index = param_table.stack_key(stack, i, scanned)
     return f"params.{key}.{role}", index
 
 
@@ -104,7 +106,8 @@ def state_shapes(abstract_params, cfg: ModelConfig) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterator[HFTensor]:
+def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]],
+            scanned: bool) -> Iterator[HFTensor]:
     """Every HF tensor in file order: embedding, layer 0 … L-1, the MTP modules as layers
     L … L+K-1 (with copies of the embedding and head, `mirror`, as DeepSeek-V3 ships them
     and vLLM's `deepseek_mtp` reads them), final norm, LM head.
@@ -134,7 +137,7 @@ def tensors(cfg: ModelConfig, our_shapes: dict[str, tuple[int, ...]]) -> Iterato
     bias = param_table.ROUTER_BIAS
     for layer in range(cfg.n_layers + cfg.mtp_layers):
         prefix = f"model.layers.{layer}."
-        present = [(role, p) + block_key(cfg, layer, role) for role, p in block]
+        present = [(role, p) + block_key(cfg, layer, role, scanned) for role, p in block]
         present = [(role, p, key, index) for role, p, key, index in present if key in our_shapes]
         for role, p, key, index in present:
             if p.hf.kind != "expert":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from europa_jax import param_table
-from europa_jax.config import Config, ConfigError
+from europa_jax.config import Config, ConfigError, ExecutionConfig, ModelConfig
 from europa_jax.config_loader import from_dict
 from europa_jax.data.corpus import DataError
 from europa_jax.interop import hf_tokenizer_files
@@ -55,10 +55,11 @@ class Sample:
         return dataclasses.asdict(self)
 
 
-def sampling_model_config(cfg: Config):
-    """The run's model with the kernels and settings of a one-device forward."""
-    return dataclasses.replace(cfg.model, attention="blockwise", grouped_matmul="blocked",
-                               moe_capacity_factor=None, moe_chunk_tokens=0, remat="none")
+def sampling_configs(cfg: Config) -> tuple[ModelConfig, ExecutionConfig]:
+    """The run's model (dropless) and the kernels and settings of a one-device forward."""
+    return (dataclasses.replace(cfg.model, moe_capacity_factor=None),
+            dataclasses.replace(cfg.execution, attention="blockwise", grouped_matmul="blocked",
+                                moe_chunk_tokens=0, remat="none"))
 
 
 def read_parameters(run_dir: str | Path, step: int | None = None
@@ -109,13 +110,13 @@ class Sampler:
             raise SampleError(f"{run_dir}: the run's tokenizer is unknown: {why}")
         self.run_tokenizer = run_tok
         self.tokenizer = run_tok.load()
-        self.model_cfg = sampling_model_config(self.cfg)
+        self.model_cfg, self.execution = sampling_configs(self.cfg)
         self.params = jax.tree.map(jnp.asarray, params)
         self.bias = jnp.asarray(bias)
         # what can be emitted: the tokenizer's ids that the model has
         self.vocab = min(run_tok.vocab_size, self.model_cfg.vocab_size)
-        model = Transformer(self.model_cfg)
-        cached_model = CachedTransformer(self.model_cfg)
+        model = Transformer(self.model_cfg, self.execution)
+        cached_model = CachedTransformer(self.model_cfg, self.execution)
         vocab = self.vocab
 
         def choose(logits_V, key, temperature):
@@ -194,7 +195,7 @@ class Sampler:
         from europa_jax.model.decode import LatentCache
         from europa_jax.model.layers import DTYPES
 
-        cache = LatentCache.empty(self.model_cfg, 1, total, DTYPES[self.model_cfg.compute_dtype])
+        cache = LatentCache.empty(self.model_cfg, 1, total, DTYPES[self.execution.compute_dtype])
         feed_T = jnp.asarray(prompt_ids, jnp.int32)
         for i in itertools.count():
             token, cache = self._cached_next_token(self.params, self.bias, feed_T, cache,
@@ -207,7 +208,7 @@ class Sampler:
         import jax
         import jax.numpy as jnp
 
-        block = self.model_cfg.attention_block_size
+        block = self.execution.attention_block_size
         tokens_S = np.zeros(-(-total // block) * block, np.int32)
         tokens_S[:len(prompt_ids)] = prompt_ids
         for n in itertools.count(len(prompt_ids)):

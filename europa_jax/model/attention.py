@@ -8,7 +8,7 @@ Every kernel can also report each head's largest pre-softmax logit (scale · q·
 visible, non-padding pairs) for QK-clip (qk_clip.py): the blockwise kernel's running max,
 tokamax's softmax residual — both already computed, so the report costs no FLOPs.
 
-With `model.attention_context_parallel` the node's GPUs share the attention of the node's
+With `execution.attention_context_parallel` the node's GPUs share the attention of the node's
 rows, each for its slice of the heads (parallel/comm.py AttentionGroup): the layer's
 projections and output stay on this device's rows, the kernels run on the node's.
 """
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig, ModelConfig
 from europa_jax.model import flash_backward, kernels
 from europa_jax.model.fp8 import fp8_linear
 from europa_jax.model.layers import apply_rope, RMSNorm, weight, yarn_mscale
@@ -38,18 +38,19 @@ class MLAttention(nn.Module):
 
     ROLE = "attention"  # used on its own (tests): its parameters' roles start here
     cfg: ModelConfig
+    ex: ExecutionConfig
     report_logit_max: bool = False
 
     @nn.compact
     def __call__(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2):
-        """With `model.attention_context_parallel` under SPMD, `segment_ids_BS` and the
+        """With `execution.attention_context_parallel` under SPMD, `segment_ids_BS` and the
         RoPE tables are the node's rows (`comm.AttentionGroup.gather_rows` of this
         device's, done once per step by the Transformer); `x_BSD` and the output are this
         device's rows."""
-        cfg = self.cfg
+        cfg, ex = self.cfg, self.ex
         kv_rank = cfg.kv_lora_rank
         n, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        group = comm.attention_group(cfg.attention_context_parallel)
+        group = comm.attention_group(ex.attention_context_parallel)
         if segment_ids_BS.shape[0] != group.size * x_BSD.shape[0]:
             raise ValueError(f"attention: {segment_ids_BS.shape[0]} rows of segment ids for "
                              f"{x_BSD.shape[0]} rows of activations; with context parallelism "
@@ -67,13 +68,13 @@ class MLAttention(nn.Module):
         # With context parallelism, the node's rows: gathers of the latents (2,112 values
         # per token), never of the heads; from here on B is the node's rows and H this
         # GPU's heads.
-        fp8 = cfg.fp8_gemms
+        fp8 = ex.fp8_gemms
         q_a_BSQ, kv_a_BSA = fp8_linear.matmuls_of_one_input(x_BSD, (w_q_a_DQ, w_kv_a_DA), fp8)
-        q_latent_BSQ = RMSNorm(cfg, name="q_a_norm")(q_a_BSQ)
+        q_latent_BSQ = RMSNorm(cfg, ex, name="q_a_norm")(q_a_BSQ)
         q_BSHK = _node_heads(group, q_latent_BSQ, w_q_b_QHK, fp8)
         q_nope_BSHN, q_rope_BSHP = q_BSHK[..., :n], q_BSHK[..., n:]
 
-        kv_latent_BSA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
+        kv_latent_BSA = RMSNorm(cfg, ex, name="kv_a_norm")(kv_a_BSA[..., :kv_rank])
         k_rope_BS1P = group.gather_rows(kv_a_BSA[..., None, kv_rank:])
         kv_BSHK = _node_heads(group, kv_latent_BSA, w_kv_b_AHK, fp8)
         k_nope_BSHN, v_BSHO = kv_BSHK[..., :n], kv_BSHK[..., n:]
@@ -86,21 +87,21 @@ class MLAttention(nn.Module):
 
         scale = logit_scale(cfg)
         b, s, h, _ = q_BSHK.shape
-        impl = kernels.attention_impl(cfg, scores_bytes=4 * b * h * s * s)
+        impl = kernels.attention_impl(ex, scores_bytes=4 * b * h * s * s)
         with jax.named_scope("attention_kernel"):  # profiles (benchmarks/profile_breakdown.py)
             if impl == "dense":
                 result = dense_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, scale=scale,
-                                         block_size=cfg.attention_block_size,
+                                         block_size=ex.attention_block_size,
                                          return_logit_max=self.report_logit_max)
             elif impl == "blockwise":
                 result = blockwise_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
-                                             block_size=cfg.attention_block_size, scale=scale,
+                                             block_size=ex.attention_block_size, scale=scale,
                                              return_logit_max=self.report_logit_max)
             else:
                 result = library_attention(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS,
                                            scale=scale, impl=impl,
                                            return_logit_max=self.report_logit_max,
-                                           backward_chunk=cfg.attention_backward_chunk)
+                                           backward_chunk=ex.attention_backward_chunk)
         out_BSHO, logit_max_H = result if self.report_logit_max else (result, None)
         # (with context parallelism the name is on the node's rows × my heads: the same
         # bytes, and what the backward needs)
@@ -329,7 +330,7 @@ def pad_sequence(q_BSHK, k_BSHK, v_BSHO, segment_ids_BS, multiple: int):
 # tokamax's GPU kernels tile queries in blocks of up to 128: other lengths (tests) are
 # padded to a multiple of it.
 LIBRARY_SEQ_MULTIPLE = 128
-# model.attention → tokamax's implementation (ops in tokamax's attention api).
+# execution.attention → tokamax's implementation (ops in tokamax's attention api).
 TOKAMAX_ATTENTION = {"tokamax": "mosaic_gpu", "tokamax_triton": "triton",
                      "tokamax_xla": "xla"}
 

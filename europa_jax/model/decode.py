@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from europa_jax import param_table
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig, ModelConfig
 from europa_jax.model import layer_input, lm_head
 from europa_jax.model.attention import logit_scale
 from europa_jax.model.layers import RMSNorm, SwiGLU, apply_rope, rope_tables, weight
@@ -60,6 +60,7 @@ class CachedAttention(nn.Module):
 
     ROLE = "attention"
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, x_BTD, cos_BTP2, sin_BTP2, latent_BSA, k_rope_BSP, start):
@@ -71,11 +72,11 @@ class CachedAttention(nn.Module):
         w_kv_b_AHK = weight(self, "w_kv_b")
         w_o_HOD = weight(self, "w_o")
 
-        q_latent_BTQ = RMSNorm(cfg, name="q_a_norm")(x_BTD @ w_q_a_DQ)
+        q_latent_BTQ = RMSNorm(cfg, self.ex, name="q_a_norm")(x_BTD @ w_q_a_DQ)
         q_BTHK = jnp.einsum("btq,qhk->bthk", q_latent_BTQ, w_q_b_QHK)
         q_rope_BTHP = apply_rope(q_BTHK[..., n:], cos_BTP2, sin_BTP2)
         kv_a_BTA = x_BTD @ w_kv_a_DA
-        latent_BTA = RMSNorm(cfg, name="kv_a_norm")(kv_a_BTA[..., :a])
+        latent_BTA = RMSNorm(cfg, self.ex, name="kv_a_norm")(kv_a_BTA[..., :a])
         k_rope_BTP = apply_rope(kv_a_BTA[..., None, a:], cos_BTP2, sin_BTP2)[:, :, 0]
 
         latent_BSA = jax.lax.dynamic_update_slice_in_dim(
@@ -105,21 +106,22 @@ class CachedBlock(nn.Module):
 
     ROLE_ROOT = True
     cfg: ModelConfig
+    ex: ExecutionConfig
     is_moe: bool
 
     @nn.compact
     def __call__(self, x_BTD, cos_BTP2, sin_BTP2, start, latent_BSA, k_rope_BSP, router_bias_E):
-        cfg = self.cfg
-        x_BTD, branch_in_BTD = layer_input.for_branches(cfg, x_BTD)  # as the model trained
-        attn_BTD, latent_BSA, k_rope_BSP = CachedAttention(cfg, name="attention")(
-            RMSNorm(cfg, name="attention_norm")(branch_in_BTD), cos_BTP2, sin_BTP2, latent_BSA,
+        cfg, ex = self.cfg, self.ex
+        x_BTD, branch_in_BTD = layer_input.for_branches(ex, x_BTD)  # as the model trained
+        attn_BTD, latent_BSA, k_rope_BSP = CachedAttention(cfg, ex, name="attention")(
+            RMSNorm(cfg, ex, name="attention_norm")(branch_in_BTD), cos_BTP2, sin_BTP2, latent_BSA,
             k_rope_BSP, start)
         h_branch_BTD, h_BTD = layer_input.after_attention(x_BTD, branch_in_BTD, attn_BTD)
-        mlp_in_BTD = RMSNorm(cfg, name="mlp_norm")(h_branch_BTD)
+        mlp_in_BTD = RMSNorm(cfg, ex, name="mlp_norm")(h_branch_BTD)
         if self.is_moe:
-            mlp_out_BTD, _ = MoE(cfg, name="moe")(mlp_in_BTD, router_bias_E)
+            mlp_out_BTD, _ = MoE(cfg, ex, name="moe")(mlp_in_BTD, router_bias_E)
         else:
-            mlp_out_BTD = SwiGLU(cfg, name="mlp")(mlp_in_BTD)
+            mlp_out_BTD = SwiGLU(cfg, ex, name="mlp")(mlp_in_BTD)
         return h_BTD + mlp_out_BTD, (latent_BSA, k_rope_BSP)
 
 
@@ -129,6 +131,7 @@ class CachedTransformer(nn.Module):
 
     ROLE_ROOT = True
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, tokens_BT, cache: LatentCache, router_bias_LE):
@@ -151,7 +154,7 @@ class CachedTransformer(nn.Module):
                 cache.latent_LBSA[layers], cache.k_rope_LBSP[layers], bias_LE)
             latents.append(latent_LBSA)
             keys.append(k_rope_LBSP)
-        x_BD = RMSNorm(cfg, name="final_norm")(x_BTD[:, -1])
+        x_BD = RMSNorm(cfg, self.ex, name="final_norm")(x_BTD[:, -1])
         logits_BV = lm_head.logits(x_BD[:, None], weight(self, "lm_head"), cfg.vocab_size)[:, 0]
         return logits_BV, LatentCache(jnp.concatenate(latents), jnp.concatenate(keys),
                                       start + tokens_BT.shape[1])
@@ -159,17 +162,17 @@ class CachedTransformer(nn.Module):
     def _stack(self, stack, is_moe, x_BTD, cos_BTP2, sin_BTP2, start, latent_LBSA,
                k_rope_LBSP, bias_LE):
         n = latent_LBSA.shape[0]
-        if self.cfg.scan_layers:
+        if self.ex.scan_layers:
             scanned = nn.scan(CachedBlock, variable_axes={"params": 0},
                               split_rngs={"params": True},
                               in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, 0,
                                        0 if is_moe else nn.broadcast), length=n)
-            return scanned(self.cfg, is_moe, name=stack)(x_BTD, cos_BTP2, sin_BTP2, start,
+            return scanned(self.cfg, self.ex, is_moe, name=stack)(x_BTD, cos_BTP2, sin_BTP2, start,
                                                          latent_LBSA, k_rope_LBSP, bias_LE)
         per_layer = []
         for i in range(n):
             name, _ = param_table.stack_key(stack, i, scanned=False)
-            x_BTD, cache_i = CachedBlock(self.cfg, is_moe, name=name)(
+            x_BTD, cache_i = CachedBlock(self.cfg, self.ex, is_moe, name=name)(
                 x_BTD, cos_BTP2, sin_BTP2, start, latent_LBSA[i], k_rope_LBSP[i],
                 bias_LE[i] if is_moe else None)
             per_layer.append(cache_i)

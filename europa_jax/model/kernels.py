@@ -1,9 +1,9 @@
 """Which kernel each op uses on which platform, and the kernel library behind the GPU ones.
 
 Two ops have library kernels on GPU and exact pure-JAX paths elsewhere:
-- the MoE grouped matmul (`model.grouped_matmul`): `auto` = the blocked matmul on CPU
+- the MoE grouped matmul (`execution.grouped_matmul`): `auto` = the blocked matmul on CPU
   (moe.grouped_swiglu), tokamax's grouped matmul on GPU;
-- attention (`model.attention`): `auto` = on CPU the whole score matrix at once where it
+- attention (`execution.attention`): `auto` = on CPU the whole score matrix at once where it
   fits (attention.dense_attention), else the blockwise online-softmax scan
   (attention.blockwise_attention); tokamax's flash attention on GPU (attention.
   library_attention: Mosaic GPU on Hopper).
@@ -19,7 +19,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from europa_jax.config import ConfigError, ModelConfig
+from europa_jax.config import ConfigError, ExecutionConfig
 from europa_jax.parallel import comm
 
 INSTALL = "pip install -e '.[gpu]'"
@@ -65,16 +65,16 @@ def _resolve(key: str, configured: str, cpu_default: str, platform: str | None) 
     if impl == "auto":
         impl = cpu_default if platform == "cpu" else "tokamax"
     if impl.startswith("tokamax") and not tokamax_available():
-        raise ConfigError(f"model.{key}: {configured!r} on {platform} uses tokamax, which is "
-                          f"not installed: {INSTALL} (or set model.{key}: {cpu_default})")
+        raise ConfigError(f"execution.{key}: {configured!r} on {platform} uses tokamax, which "
+                          f"is not installed: {INSTALL} (or set execution.{key}: {cpu_default})")
     return impl
 
 
-def grouped_matmul_impl(cfg: ModelConfig, platform: str | None = None) -> str:
+def grouped_matmul_impl(ex: ExecutionConfig, platform: str | None = None) -> str:
     """The configured grouped matmul; `auto` is `blocked` on CPU and tokamax's on GPU."""
-    impl = _resolve("grouped_matmul", cfg.grouped_matmul, "blocked", platform)
+    impl = _resolve("grouped_matmul", ex.grouped_matmul, "blocked", platform)
     if impl == "tokamax_triton" and not _importable("jax_triton"):
-        raise ConfigError("model.grouped_matmul: 'tokamax_triton' needs jax_triton, which "
+        raise ConfigError("execution.grouped_matmul: 'tokamax_triton' needs jax_triton, which "
                           f"tokamax's Triton grouped matmul imports: {INSTALL}")
     return impl
 
@@ -91,7 +91,7 @@ MOSAIC_INPUT_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def tokamax_grouped_matmul(impl: str, platform: str | None = None) -> str:
-    """tokamax's implementation for `model.grouped_matmul` `impl` on `platform`."""
+    """tokamax's implementation for `execution.grouped_matmul` `impl` on `platform`."""
     platform = platform or current_platform()
     if platform != "gpu":
         return "xla"
@@ -99,7 +99,7 @@ def tokamax_grouped_matmul(impl: str, platform: str | None = None) -> str:
 
 
 def tokamax_ragged(impl: str, general: bool = False, platform: str | None = None):
-    """tokamax's `ragged_dot` (`ragged_dot_general` if `general`) for `model.grouped_matmul`
+    """tokamax's `ragged_dot` (`ragged_dot_general` if `general`) for `execution.grouped_matmul`
     `impl`, with exactly one implementation named; on Mosaic GPU float32 operands are
     multiplied in bf16 and the result cast back (the kernel takes bf16/f16 only)."""
     tokamax = import_tokamax()
@@ -133,13 +133,13 @@ def _importable(module: str) -> bool:
 DENSE_ATTENTION_MAX_BYTES = 256 * 2**20
 
 
-def attention_impl(cfg: ModelConfig, platform: str | None = None,
+def attention_impl(ex: ExecutionConfig, platform: str | None = None,
                    scores_bytes: int | None = None) -> str:
     """The configured attention kernel. `auto` is tokamax's flash attention on GPU; on CPU
     `dense` where one device's scores (`scores_bytes`, when the caller knows them) fit
     DENSE_ATTENTION_MAX_BYTES, else `blockwise`, which never holds them."""
-    impl = _resolve("attention", cfg.attention, "blockwise", platform)
-    if (cfg.attention == "auto" and impl == "blockwise" and scores_bytes is not None
+    impl = _resolve("attention", ex.attention, "blockwise", platform)
+    if (ex.attention == "auto" and impl == "blockwise" and scores_bytes is not None
             and scores_bytes <= DENSE_ATTENTION_MAX_BYTES):
         return "dense"
     return impl

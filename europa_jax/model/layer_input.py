@@ -1,4 +1,4 @@
-"""What a decoder layer's backward keeps of its input (`model.layer_input_format`).
+"""What a decoder layer's backward keeps of its input (`execution.layer_input_format`).
 
 The activation policies keep each layer's input (checkpoint name `layer_input`; offload.py
 moves it to host memory) and recompute the layer from it in the backward. At europa-952b's
@@ -22,16 +22,16 @@ from __future__ import annotations
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig
 from europa_jax.parallel import fp8_rows
 
 NAME = "layer_input"
 
 
-def for_branches(cfg: ModelConfig, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+def for_branches(ex: ExecutionConfig, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(the residual stream, what the layer's branches read), the second named `NAME` for
     the activation policy. In the compute dtype they are one array."""
-    if cfg.layer_input_format == "compute_dtype":
+    if ex.layer_input_format == "compute_dtype":
         x_BSD = checkpoint_name(x_BSD, NAME)
         return x_BSD, x_BSD
     return x_BSD, e4m3_copy(x_BSD)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from europa_jax import param_table
-from europa_jax.config import ModelConfig, RopeScalingConfig
+from europa_jax.config import ExecutionConfig, ModelConfig, RopeScalingConfig
 from europa_jax.model.fp8 import fp8_linear
 from europa_jax.parallel import comm, layout
 
@@ -45,12 +45,18 @@ def gathered_shape(on_mesh: layout.ParamLayout) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def ready_to_compute(w_local: jax.Array, role: str, cfg: ModelConfig) -> jax.Array:
+def unsharded(cfg: ModelConfig, ex: ExecutionConfig) -> layout.Layout:
+    """Every parameter's layout outside an SPMD step (no mesh; storage padding kept)."""
+    return layout.for_mesh(cfg, pad_multiple=ex.param_pad_multiple)
+
+
+def ready_to_compute(w_local: jax.Array, role: str, cfg: ModelConfig,
+                     ex: ExecutionConfig) -> jax.Array:
     """A stored shard gathered for this layer, in its compute dtype (padding kept)."""
     ctx = comm.current()
     row = param_table.row(role)
-    on_mesh = (ctx.layout if ctx else layout.for_mesh(cfg))[role]
-    compute = jnp.float32 if row.precision.float32_compute else DTYPES[cfg.compute_dtype]
+    on_mesh = (ctx.layout if ctx else unsharded(cfg, ex))[role]
+    compute = jnp.float32 if row.precision.float32_compute else DTYPES[ex.compute_dtype]
     return comm.gather_weight(w_local, on_mesh.gather, compute, min_wire=row.precision.wire)
 
 
@@ -65,10 +71,11 @@ def weight(module: nn.Module, name: str) -> jax.Array:
     says so). Outside the SPMD step it is only cast.
     """
     cfg: ModelConfig = module.cfg
+    ex: ExecutionConfig = module.ex
     role = role_of(module, name)
     row = param_table.row(role)
     ctx = comm.current()
-    on_mesh = (ctx.layout if ctx else layout.for_mesh(cfg))[role]
+    on_mesh = (ctx.layout if ctx else unsharded(cfg, ex))[role]
     initializer = {"normal": nn.initializers.normal(cfg.init_std),
                    "ones": nn.initializers.ones}[row.init]
     if on_mesh.stored_shape != on_mesh.model_shape:  # the padding is zeros; the rest as if unpadded
@@ -78,7 +85,7 @@ def weight(module: nn.Module, name: str) -> jax.Array:
     else:
         # Under SPMD the module sees its shard; Flax checks the stored shape against this.
         w = module.param(name, initializer, on_mesh.local_shape, DTYPES[cfg.param_dtype])
-        w = ready_to_compute(w, role, cfg)
+        w = ready_to_compute(w, role, cfg, ex)
     if on_mesh.stored_shape != on_mesh.model_shape:  # padded dims are gathered whole: drop it
         w = w[tuple(slice(0, n) for n in on_mesh.model_shape)]
     return w
@@ -115,6 +122,7 @@ class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like DeepSeek-V3's reference."""
 
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
@@ -130,13 +138,14 @@ class SwiGLU(nn.Module):
 
     ROLE = "mlp"  # used on its own: a dense layer's MLP
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         w_gate_DF = weight(self, "w_gate")
         w_up_DF = weight(self, "w_up")
         w_down_FD = weight(self, "w_down")
-        fp8 = self.cfg.fp8_gemms
+        fp8 = self.ex.fp8_gemms
         if fp8 == "none":
             gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_gate_DF)
             up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, w_up_DF)

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from europa_jax import param_table
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig, ModelConfig
 from europa_jax.model.fp8 import fp8_linear
 from europa_jax.model import lm_head
 from europa_jax.model.block import block_layers, under_policy
@@ -44,19 +44,20 @@ class MTPBlock(nn.Module):
 
     ROLE_ROOT = True  # roles are paths inside the module, as in a decoder block
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, h_BSD, next_tokens_BS, targets_BS, router_bias_E, embedding_VD,
                  head_DV, segment_ids_BS, cos_BSP2, sin_BSP2, tokens_BS):
-        cfg = self.cfg
-        joined_BSJ = jnp.concatenate([RMSNorm(cfg, name="enorm")(embedding_VD[next_tokens_BS]),
-                                      RMSNorm(cfg, name="hnorm")(h_BSD)], axis=-1)
+        cfg, ex = self.cfg, self.ex
+        joined_BSJ = jnp.concatenate([RMSNorm(cfg, ex, name="enorm")(embedding_VD[next_tokens_BS]),
+                                      RMSNorm(cfg, ex, name="hnorm")(h_BSD)], axis=-1)
         x_BSD = fp8_linear.einsum("bsj,jd->bsd", joined_BSJ, weight(self, "eh_proj"),
-                                  cfg.fp8_gemms)
-        x_BSD, stats = block_layers(cfg, True, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
+                                  ex.fp8_gemms)
+        x_BSD, stats = block_layers(cfg, ex, True, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2,
                                     router_bias_E, tokens_BS)
-        nll_BS = lm_head.token_nll(RMSNorm(cfg, name="head_norm")(x_BSD), head_DV, targets_BS,
-                                   cfg.vocab_size, cfg.loss_chunk_tokens)
+        nll_BS = lm_head.token_nll(RMSNorm(cfg, ex, name="head_norm")(x_BSD), head_DV, targets_BS,
+                                   cfg.vocab_size, ex.loss_chunk_tokens)
         return x_BSD, (nll_BS, stats)
 
 
@@ -66,29 +67,30 @@ def shifted_tokens(tokens_BS, k: int):
     return jnp.stack([jnp.roll(tokens_BS, -shift, axis=1) for shift in range(1, k + 2)])
 
 
-def mtp_modules(cfg: ModelConfig, policy: Callable | None, h_BSD, tokens_BS, embedding_VD,
-                head_DV, router_bias_KE, segment_ids_BS, cos_BSP2, sin_BSP2, real_BS):
+def mtp_modules(cfg: ModelConfig, ex: ExecutionConfig, policy: Callable | None, h_BSD,
+                tokens_BS, embedding_VD, head_DV, router_bias_KE, segment_ids_BS, cos_BSP2,
+                sin_BSP2, real_BS):
     """The K modules in sequence, created in the calling module (the model): each
     position's cross entropy per module [K, B, S] and the blocks' stats stacked over K.
 
-    Scanned (`model.scan_layers`: one stacked `mtp_layers` parameter tree) or unrolled
+    Scanned (`execution.scan_layers`: one stacked `mtp_layers` parameter tree) or unrolled
     (`mtp_layers_<k>`), under the same activation policy as the decoder blocks."""
     k = cfg.mtp_layers
     shifted_XBS = shifted_tokens(tokens_BS, k)
     next_KBS, targets_KBS = shifted_XBS[:-1], shifted_XBS[1:]
     stack = param_table.STACKS[-1]
-    block_cls = under_policy(MTPBlock, cfg, policy)
-    if cfg.scan_layers:
+    block_cls = under_policy(MTPBlock, ex, policy)
+    if ex.scan_layers:
         scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(0, 0, 0) + (nn.broadcast,) * 6, length=k)
-        _, (nll_KBS, stats) = scanned(cfg, name=stack)(
+        _, (nll_KBS, stats) = scanned(cfg, ex, name=stack)(
             h_BSD, next_KBS, targets_KBS, router_bias_KE, embedding_VD, head_DV,
             segment_ids_BS, cos_BSP2, sin_BSP2, real_BS)
         return nll_KBS, stats
     nll, per_module = [], []
     for i in range(k):
         name, _ = param_table.stack_key(stack, i, scanned=False)
-        h_BSD, (nll_BS, stats) = block_cls(cfg, name=name)(
+        h_BSD, (nll_BS, stats) = block_cls(cfg, ex, name=name)(
             h_BSD, next_KBS[i], targets_KBS[i], router_bias_KE[i], embedding_VD, head_DV,
             segment_ids_BS, cos_BSP2, sin_BSP2, real_BS)
         nll.append(nll_BS)

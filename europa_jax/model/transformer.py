@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from europa_jax import param_table
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig, ModelConfig
 from europa_jax.model import lm_head, mtp, row_loop
 from europa_jax.model.block import DecoderBlock, under_policy
 from europa_jax.model.layers import RMSNorm, rope_tables, weight
@@ -25,10 +25,11 @@ class Transformer(nn.Module):
 
     ROLE_ROOT = True  # its own parameters' roles are their paths in the model
     cfg: ModelConfig
+    ex: ExecutionConfig
     # jax.checkpoint policy naming what backward keeps, offloads or recomputes (offload.py)
     remat_policy: Callable | None = None
-    # with model.row_loop: the policy of a row's trip through a layer (row_loop.py;
-    # offload.row_trip_policy); None: recompute it whole under model.remat: full
+    # with execution.row_loop: the policy of a row's trip through a layer (row_loop.py;
+    # offload.row_trip_policy); None: recompute it whole under execution.remat: full
     row_trip_policy: Callable | None = None
 
     @nn.compact
@@ -36,7 +37,7 @@ class Transformer(nn.Module):
                  targets_BS=None):
         """float32 logits [B, S, V] and per-MoE-layer stats stacked over L; given targets,
         each position's cross entropy [B, S] instead of the logits (lm_head.token_nll:
-        `model.loss_chunk_tokens` positions' logits at a time). The stats also hold
+        `execution.loss_chunk_tokens` positions' logits at a time). The stats also hold
         `attention_logit_max_LH`: every layer's (dense first, then MoE, then MTP) per-head
         largest attention logit on this device's rows.
 
@@ -45,12 +46,12 @@ class Transformer(nn.Module):
         mtp.py) and their MoE blocks' stats after the main model's (L = L_moe + K, in the
         order of `router_bias_LE`). Without targets (sampling, evaluation) they are skipped.
         """
-        cfg = self.cfg
+        cfg, ex = self.cfg, self.ex
         embedding_VD = weight(self, "embedding")
         x_BSD = embedding_VD[tokens_BS]
         # With context parallelism attention sees the node's rows (comm.AttentionGroup):
         # their positions and segment ids are gathered here once, not in every layer.
-        group = comm.attention_group(cfg.attention_context_parallel)
+        group = comm.attention_group(ex.attention_context_parallel)
         attention_segments_BS = group.gather_rows(segment_ids_BS)
         cos_BSP2, sin_BSP2 = rope_tables(group.gather_rows(positions_BS), cfg)
 
@@ -63,14 +64,14 @@ class Transformer(nn.Module):
         x_BSD, moe = self._stack(x_BSD, attention_segments_BS, cos_BSP2, sin_BSP2,
                                  router_bias_LE[:n_moe], real_BS,
                                  is_moe=True, n=n_moe, stack=moe_stack)
-        x_BSD = RMSNorm(cfg, name="final_norm")(x_BSD)
+        x_BSD = RMSNorm(cfg, ex, name="final_norm")(x_BSD)
         head_DV = weight(self, "lm_head")
         # the MTP modules' parameters exist whether or not this call trains them
         predict_more = cfg.mtp_layers > 0 and (targets_BS is not None or self.is_initializing())
         extra = {}
         if predict_more:
             mtp_nll_KBS, extra = mtp.mtp_modules(
-                cfg, self.remat_policy, x_BSD, tokens_BS, embedding_VD, head_DV,
+                cfg, ex, self.remat_policy, x_BSD, tokens_BS, embedding_VD, head_DV,
                 router_bias_LE[n_moe:], attention_segments_BS, cos_BSP2, sin_BSP2, real_BS)
         stats = {key: jnp.concatenate([value] + ([extra[key]] if extra else []))
                  for key, value in moe.items() if key != "attention_logit_max_H"}
@@ -81,7 +82,7 @@ class Transformer(nn.Module):
         if targets_BS is None:
             return lm_head.logits(x_BSD, head_DV, cfg.vocab_size), stats
         return lm_head.token_nll(x_BSD, head_DV, targets_BS, cfg.vocab_size,
-                                 cfg.loss_chunk_tokens), stats
+                                 ex.loss_chunk_tokens), stats
 
     def _stack(self, x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, router_bias_LE, tokens_BS, *,
                is_moe, n, stack):
@@ -89,25 +90,25 @@ class Transformer(nn.Module):
         if n == 0:
             return x_BSD, {}
         block_cls = DecoderBlock
-        if self.cfg.row_loop:
+        if self.ex.row_loop:
             trip = self.row_trip_policy
-            if trip is None and self.cfg.remat == "full":
+            if trip is None and self.ex.remat == "full":
                 trip = jax.checkpoint_policies.nothing_saveable
-            block_cls = row_loop.row_looped_block(self.cfg, trip, stack)
-        block_cls = under_policy(block_cls, self.cfg, self.remat_policy)
+            block_cls = row_loop.row_looped_block(self.cfg, self.ex, trip, stack)
+        block_cls = under_policy(block_cls, self.ex, self.remat_policy)
         bias_axis = 0 if is_moe else nn.broadcast
-        if self.cfg.scan_layers:
+        if self.ex.scan_layers:
             scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                               in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, bias_axis,
                                        nn.broadcast),
                               length=n)
-            return scanned(self.cfg, is_moe, name=stack)(x_BSD, segment_ids_BS, cos_BSP2,
+            return scanned(self.cfg, self.ex, is_moe, name=stack)(x_BSD, segment_ids_BS, cos_BSP2,
                                                          sin_BSP2, router_bias_LE, tokens_BS)
         per_layer = []
         for i in range(n):
             bias_E = router_bias_LE[i] if is_moe else None
             name, _ = param_table.stack_key(stack, i, scanned=False)
-            x_BSD, stats = block_cls(self.cfg, is_moe, name=name)(
+            x_BSD, stats = block_cls(self.cfg, self.ex, is_moe, name=name)(
                 x_BSD, segment_ids_BS, cos_BSP2, sin_BSP2, bias_E, tokens_BS)
             per_layer.append(stats)
         return x_BSD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

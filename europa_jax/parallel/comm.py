@@ -332,7 +332,7 @@ class AttentionGroup:
 
 def attention_group(enabled: bool) -> AttentionGroup:
     """The attention group of the SPMD context being traced: the node's GPUs of the expert
-    axis when `model.attention_context_parallel` is on, else (and outside SPMD) size 1."""
+    axis when `execution.attention_context_parallel` is on, else (and outside SPMD) size 1."""
     ctx = current()
     if ctx is None or not enabled:
         return AttentionGroup()

@@ -1,7 +1,7 @@
 """Each parameter's layout on one mesh, resolved once from the table (param_table.py).
 
 For every role: the shape the model uses, the shape it is stored in (zero-padded where
-`model.param_pad_multiple` asks, sharding.storage_shape), its PartitionSpec on this mesh
+`execution.param_pad_multiple` asks, sharding.storage_shape), its PartitionSpec on this mesh
 (sharding.resolve_spec), one device's shard of it, and what the FSDP gather collects
 (which dimensions, over which mesh axes). `train.build_trainer` resolves the mesh's
 layout, the SPMD context carries it, and the model's `layers.weight` only looks it up —
@@ -105,13 +105,16 @@ def resolve(logical_axes: Sequence[str], model_shape: Sequence[int], pad_multipl
 
 
 @functools.lru_cache(maxsize=64)
-def _for_mesh(model: ModelConfig, mesh: tuple[tuple[str, int], ...]) -> Layout:
+def _for_mesh(model: ModelConfig, mesh: tuple[tuple[str, int], ...], pad_multiple: int) -> Layout:
     mesh_shape = dict(mesh)
-    roles = tuple((role, resolve(p.axes, p.shape(model), model.param_pad_multiple, mesh_shape))
+    roles = tuple((role, resolve(p.axes, p.shape(model), pad_multiple, mesh_shape))
                   for role, p in param_table.ROWS.items())
     return Layout(mesh=mesh, roles=roles)
 
 
-def for_mesh(model: ModelConfig, mesh_shape: dict[str, int] | None = None) -> Layout:
-    """The layout of every parameter on a mesh of `mesh_shape` (None: no mesh)."""
-    return _for_mesh(model, tuple((mesh_shape or {}).items()))
+def for_mesh(model: ModelConfig, mesh_shape: dict[str, int] | None = None, *,
+             pad_multiple: int) -> Layout:
+    """The layout of every parameter on a mesh of `mesh_shape` (None: no mesh), weights
+    without a data-shardable dimension padded to `pad_multiple`
+    (`execution.param_pad_multiple`)."""
+    return _for_mesh(model, tuple((mesh_shape or {}).items()), pad_multiple)

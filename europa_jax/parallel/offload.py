@@ -29,7 +29,7 @@ CHECKPOINT_NAMES = ("layer_input", "attention_out", "moe_out")
 Action = Literal["save", "offload", "recompute"]
 
 # Named presets: checkpoint name → what the backward pass does with it. Anything not
-# listed is recomputed. `none` means "use model.remat" and has no entry here.
+# listed is recomputed. `none` means "use execution.remat" and has no entry here.
 PRESETS: dict[str, dict[str, Action]] = {
     "full_remat": {},
     "offload_layer_inputs": {"layer_input": "offload"},
@@ -40,7 +40,7 @@ PRESETS: dict[str, dict[str, Action]] = {
 
 
 def remat_policy(cfg: OffloadConfig, *, less: tuple[str, ...] = ()) -> Callable | None:
-    """The jax.checkpoint policy for `offload.activations`, or None to keep model.remat;
+    """The jax.checkpoint policy for `offload.activations`, or None to keep execution.remat;
     `less`: checkpoint names it recomputes whatever the preset says."""
     if cfg.activations == "none":
         return None
@@ -54,9 +54,9 @@ def remat_policy(cfg: OffloadConfig, *, less: tuple[str, ...] = ()) -> Callable 
 
 
 def row_trip_policy(cfg: OffloadConfig, remat: str) -> Callable | None:
-    """The policy of one row's trip through a layer under `model.row_loop` (row_loop.py):
+    """The policy of one row's trip through a layer under `execution.row_loop` (row_loop.py):
     the activation policy less the layer input, which the layer names for all its rows
-    outside the loop. None when nothing is rematerialized (`model.remat: none`, no preset)."""
+    outside the loop. None when nothing is rematerialized (`execution.remat: none`, no preset)."""
     if cfg.activations == "none":
         return jax.checkpoint_policies.nothing_saveable if remat == "full" else None
     return remat_policy(cfg, less=("layer_input",))

@@ -12,7 +12,7 @@ so `resolve_spec` gives each mesh axis to the first dimension of the tensor whos
 logical name allows that axis *and* whose size it divides (e.g. `kv_a[7168, 576]` →
 `P('expert', 'data')`). A mesh axis no dimension can take leaves the tensor replicated
 over it; `replicated_over` reports that so tests and planning can show the cost, and
-`storage_shape` (model.param_pad_multiple) avoids it by storing such a weight zero-padded
+`storage_shape` (execution.param_pad_multiple) avoids it by storing such a weight zero-padded
 (europa-952b's `w_o[64, 128, 7168]` as `[64, 128, 7200]`). layout.py applies these rules
 once per mesh to every parameter of the table (param_table.py).
 
@@ -150,7 +150,7 @@ def storage_shape(logical_axes: Sequence[str | None], shape: Sequence[int],
     """The shape a parameter is stored (and sharded, and checkpointed) in.
 
     `shape` itself, unless no dimension that may be sharded over `data` is a multiple of
-    `multiple` (`model.param_pad_multiple`: the node count, 96 on Jupiter): then the one
+    `multiple` (`execution.param_pad_multiple`: the node count, 96 on Jupiter): then the one
     such dimension that pads least is zero-padded up to a multiple of it. europa-952b's
     `w_o[64, 128, 7168]` becomes `[64, 128, 7200]` (+0.45 %) and `w_kv_b[512, 64, 256]`
     `[576, 64, 256]`: otherwise no dimension takes the factor 3 of 96 nodes and every node

@@ -37,7 +37,7 @@ def recipe_layout(cfg: Config) -> Config:
                                    data=mesh.n_devices // mesh.devices_per_node)
     return dataclasses.replace(
         cfg, mesh=mesh,
-        model=dataclasses.replace(cfg.model, attention_context_parallel=False),
+        execution=dataclasses.replace(cfg.execution, attention_context_parallel=False),
         comm=dataclasses.replace(cfg.comm, weight_gather_dtype="fp8",
                                  grad_reduce_dtype="bf16"))
 

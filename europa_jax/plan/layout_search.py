@@ -64,7 +64,7 @@ def default_grid(cfg: Config, devices: int) -> dict[str, list[str]]:
     seq = cfg.data.seq_len
     chunks = [0] + ([seq // 4] if seq % 4 == 0 and seq >= 4 else [])
     return {"mesh.expert": [str(w) for w in widths or [cfg.mesh.expert]],
-            "model.moe_chunk_tokens": [str(c) for c in chunks]}
+            "execution.moe_chunk_tokens": [str(c) for c in chunks]}
 
 
 def layouts(config: str | Path, sets: list[str], devices: int,

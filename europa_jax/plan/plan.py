@@ -119,7 +119,7 @@ def plan(cfg: Config, *, name: str = "config", probe_moe_layers: tuple[int, int]
             batches=attention_batches, block_skipping=block_skipping)
     n_moe = cfg.model.n_moe_layers
     gpu = target != "cpu"
-    if (probe_moe_layers is None and not gpu and not cfg.model.scan_layers
+    if (probe_moe_layers is None and not gpu and not cfg.execution.scan_layers
             and n_moe > max(PROBE_MOE_LAYERS)):
         probe_moe_layers = PROBE_MOE_LAYERS  # unrolled: compile time grows with depth
     mesh = gpu_program.plan_mesh(cfg, target) if gpu else sharding.make_mesh(cfg.mesh)
@@ -320,7 +320,8 @@ def report(cfg: Config, name: str, state, replicated: list[dict], numbers: dict[
         # the GPU program's kernels by class (kernel_classes.py); GPU only
         "kernel_classes": None,
         # analytic (the compiled numbers above include it): MuonClip's measurement and clip
-        "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev),
+        "qk_clip": qk_clip.cost(cfg.model, cfg.optim.qk_clip_threshold, n_dev, tokens / n_dev,
+                                pad_multiple=cfg.execution.param_pad_multiple),
         "attention": attention,
         "estimate": {
             # at the expected slowest GPU's attention (attention_cost.py)
@@ -355,7 +356,7 @@ def attention_kernels(cfg: Config) -> dict[str, Any]:
     (chunk pairs, flash_backward.py), for the row the estimate assumes (one document) and
     for 64 documents of equal length: what skipping other documents is worth."""
     s = cfg.data.seq_len
-    chunk = attention.backward_chunk_for(s, cfg.model.attention_backward_chunk)
+    chunk = attention.backward_chunk_for(s, cfg.execution.attention_backward_chunk)
     padded = -(-s // (chunk or 1)) * (chunk or 1) if chunk else s
     fractions = functools.partial(flash_backward.kernel_pair_fraction, seq_len=padded,
                                   chunk=chunk or padded, tile=attention.LIBRARY_SEQ_MULTIPLE)

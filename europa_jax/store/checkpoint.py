@@ -42,13 +42,14 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from europa_jax import param_table
-from europa_jax.config import Config, ModelConfig
+from europa_jax.config import Config
 from europa_jax.config_loader import to_dict
 from europa_jax.job import distributed
 # the run's on-disk checkpoints as this module writes them (its API: `checkpoint.X`)
 from europa_jax.store.saved_checkpoints import (CORRUPT_SUBDIR, CheckpointError,
                                               IncompatibleCheckpoint, checkpoint_dir,
-                                              committed_steps, leaf_key, open_saved_array)
+                                              committed_steps, in_this_layout, leaf_key,
+                                              open_saved_array)
 from europa_jax.store.save_outcome import (DONE, FAILED, remove_failed_save, save_error,
                                          SaveFailed, SaveOutcome, WRITING)
 from europa_jax.train.train import Trainer, TrainState
@@ -269,9 +270,11 @@ class Checkpointer:
         return None
 
     def _restore(self, step: int) -> Restored:
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"]
-        check_compatible(self.directory / str(step), meta, self.cfg.model,
+        # a config saved before a key moved reads in this version's layout (resume_changes
+        # then sees only what the user changed)
+        meta = in_this_layout(self.manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        check_compatible(self.directory / str(step), meta, self.cfg,
                          self.trainer.abstract_state)
         items = {"state": ocp.args.StandardRestore(self.trainer.abstract_state)}
         if (self.directory / str(step) / "data").exists():
@@ -314,12 +317,17 @@ def _is_stacked(path) -> bool:
     return bool(set(param_table.key_names(path)) & set(param_table.STACKS))
 
 
-def check_compatible(step_dir: Path, meta: dict, model: ModelConfig, abstract: TrainState) -> None:
+# The execution settings that shape the stored state: the layers' parameter tree (scanned
+# or not) and the stored shapes (storage padding).
+STATE_SHAPING_EXECUTION = ("scan_layers", "param_pad_multiple")
+
+
+def check_compatible(step_dir: Path, meta: dict, cfg: Config, abstract: TrainState) -> None:
     """Refuse a checkpoint of another model: its leaves (from its fingerprint) must be this
     model's train state's, and its parameters and router bias must have their shapes and
     dtypes (the optimizer state follows the parameters). A checkpoint of another model is
     a user error, not corruption to fall back from; the message names the config fields
-    that differ."""
+    that differ (the model's, and the execution settings that shape the state)."""
     ours = {leaf_key(path): leaf for path, leaf in
             jax.tree_util.tree_flatten_with_path(abstract)[0]}
     saved = set(meta["fingerprint"])
@@ -339,9 +347,13 @@ def check_compatible(step_dir: Path, meta: dict, model: ModelConfig, abstract: T
                            f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} in this model")
                 break
     if problem:
-        saved_model = meta["config"]["model"]
-        differ = [f"model.{k}={saved_model.get(k)!r} but the config has model.{k}={v!r}"
-                  for k, v in to_dict(model).items() if saved_model.get(k) != v]
+        execution = to_dict(cfg.execution)
+        ours_by_section = {"model": to_dict(cfg.model),
+                           "execution": {k: execution[k] for k in STATE_SHAPING_EXECUTION}}
+        differ = [f"{section}.{k}={theirs.get(k)!r} but the config has {section}.{k}={v!r}"
+                  for section, values in ours_by_section.items()
+                  for theirs in [meta["config"].get(section, {})]
+                  for k, v in values.items() if theirs.get(k) != v]
         raise IncompatibleCheckpoint(
             f"{step_dir}: {problem} (saved with {'; '.join(differ) or 'the same model config'}); "
             "use a new run directory for a new model")

@@ -16,6 +16,7 @@ import tensorstore as ts
 
 from europa_jax import param_table
 from europa_jax.config import ConfigError
+from europa_jax.config_loader import saved_config
 
 CHECKPOINT_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"
@@ -70,7 +71,16 @@ def step_dir_of(run_dir: str | Path, step: int | None, purpose: str,
 
 
 def read_meta(step_dir: Path) -> dict:
-    return json.loads((step_dir / "meta" / "metadata").read_text())
+    return in_this_layout(json.loads((step_dir / "meta" / "metadata").read_text()))
+
+
+def in_this_layout(meta: dict) -> dict:
+    """A checkpoint's metadata with its saved config in this version's layout: a run saved
+    before a key moved (`model.remat` before `execution.remat`) reads, resumes, exports and
+    samples as it was saved (config_loader.saved_config)."""
+    if isinstance(meta.get("config"), dict):
+        meta = {**meta, "config": saved_config(meta["config"])}
+    return meta
 
 
 def open_saved_array(step_dir: Path, key: str) -> ts.TensorStore:

@@ -54,16 +54,16 @@ def head_factors(logit_max_LH: jax.Array, threshold: float) -> tuple[jax.Array, 
     return jnp.where(over_LH, threshold / jnp.where(over_LH, logit_max_LH, 1.0), 1.0), over_LH
 
 
-def layer_stacks(cfg: ModelConfig) -> list[tuple[str, slice | int]]:
+def layer_stacks(cfg: ModelConfig, scanned: bool) -> list[tuple[str, slice | int]]:
     """(parameter key, its layers in the [L, ...] stats: dense, MoE, then the MTP modules'
-    blocks): the scanned stacks hold a slice of the layers on a leading axis, unrolled
-    layers one each."""
+    blocks): the scanned stacks (`execution.scan_layers`) hold a slice of the layers on a
+    leading axis, unrolled layers one each."""
     out, first = [], 0
     for stack, n in zip(param_table.STACKS,
                         (cfg.n_dense_layers, cfg.n_moe_layers, cfg.mtp_layers)):
-        if cfg.scan_layers and n:
+        if scanned and n:
             out.append((stack, slice(first, first + n)))
-        elif not cfg.scan_layers:
+        elif not scanned:
             out += [(param_table.stack_key(stack, i, scanned=False)[0], first + i)
                     for i in range(n)]
         first += n
@@ -104,7 +104,8 @@ def _pinned(x: jax.Array, replicated: jax.sharding.Sharding | None) -> jax.Array
 
 
 def clip(params: Any, logit_max_LH: jax.Array, threshold: float | None, cfg: ModelConfig,
-         replicated: jax.sharding.Sharding | None = None) -> tuple[Any, jax.Array]:
+         replicated: jax.sharding.Sharding | None = None, *,
+         scanned: bool) -> tuple[Any, jax.Array]:
     """(params with every head over `threshold` clipped, number of heads clipped).
 
     `logit_max_LH` is the step's global per-layer, per-head max logit, layers in model
@@ -120,7 +121,7 @@ def clip(params: Any, logit_max_LH: jax.Array, threshold: float | None, cfg: Mod
     sqrt_gamma_LH = jnp.sqrt(gamma_LH)  # √1 = 1 exactly: unclipped heads stay bit-identical
     n, p = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     params = dict(params)
-    for key, layers in layer_stacks(cfg):
+    for key, layers in layer_stacks(cfg, scanned):
         lead = ("layers",) if isinstance(layers, slice) else ()
         attention = dict(params[key]["attention"])
         attention["w_q_b"] = scale_heads(attention["w_q_b"], lead + W_Q_B.axes,
@@ -134,13 +135,13 @@ def clip(params: Any, logit_max_LH: jax.Array, threshold: float | None, cfg: Mod
 
 
 def cost(cfg: ModelConfig, threshold: float | None, n_devices: int,
-         tokens_per_device: float) -> dict[str, Any]:
+         tokens_per_device: float, *, pad_multiple: int) -> dict[str, Any]:
     """What QK-clip adds to a step per device: analytic, each formula stated beside it.
 
     The measurement (max logits, one all-reduce) runs whether or not the clip is on; the
     clip itself only when `threshold` is set.
     """
-    unsharded = layout.for_mesh(cfg)
+    unsharded = layout.for_mesh(cfg, pad_multiple=pad_multiple)
     stored = lambda role: math.prod(unsharded[role].stored_shape)
     h, layers = cfg.n_heads, cfg.n_layers
     clipped = layers * (stored("attention.w_q_b") + stored("attention.w_kv_b"))

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from europa_jax import param_table
-from europa_jax.config import Config, ConfigError, ModelConfig
+from europa_jax.config import Config, ConfigError, ExecutionConfig, ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.experts.moe import updated_router_bias
 from europa_jax.model.transformer import init_router_bias, Transformer
@@ -94,12 +94,12 @@ def dummy_batch(cfg: Config, batch_size: int | None = None) -> Batch:
 def abstract_params(cfg: Config) -> Any:
     """The parameter tree as ShapeDtypeStructs (stored shapes, no shardings), from the
     model's own init traced shape-only: the one derivation of the parameters' structure."""
-    return _abstract_params(cfg.model, cfg.data.seq_len)
+    return _abstract_params(cfg.model, cfg.execution, cfg.data.seq_len)
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_params(model_cfg: ModelConfig, seq_len: int) -> Any:
-    model = Transformer(model_cfg)
+def _abstract_params(model_cfg: ModelConfig, ex: ExecutionConfig, seq_len: int) -> Any:
+    model = Transformer(model_cfg, ex)
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     return jax.eval_shape(lambda: model.init(
         jax.random.key(0), tokens, jnp.ones_like(tokens),
@@ -107,15 +107,16 @@ def _abstract_params(model_cfg: ModelConfig, seq_len: int) -> Any:
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
-    model = Transformer(cfg.model, remat_policy=offload.remat_policy(cfg.offload),
-                        row_trip_policy=offload.row_trip_policy(cfg.offload, cfg.model.remat))
+    model = Transformer(cfg.model, cfg.execution, remat_policy=offload.remat_policy(cfg.offload),
+                        row_trip_policy=offload.row_trip_policy(cfg.offload, cfg.execution.remat))
     mesh_shape = sharding.mesh_shape_of(mesh)
-    on_mesh = layout.for_mesh(cfg.model, mesh_shape)
+    on_mesh = layout.for_mesh(cfg.model, mesh_shape,
+                              pad_multiple=cfg.execution.param_pad_multiple)
     shapes = abstract_params(cfg)
     param_specs = on_mesh.specs(shapes)
     # the optimizer lays Muon's matrices out over this mesh (one whole matrix per device)
     # and scales them by the model's shapes (else the stored ones: the same if unpadded)
-    padded = cfg.model.param_pad_multiple > 1
+    padded = cfg.execution.param_pad_multiple > 1
     tx = optim.build_optimizer(cfg.optim, cfg.train.steps, mesh, param_specs,
                                model_shapes=param_table.model_shapes(shapes, cfg.model) if padded
                                else None)
@@ -150,8 +151,8 @@ def spmd_context(cfg: Config, mesh: Mesh, on_mesh: Layout) -> comm.SpmdContext:
     platform = sharding.mesh_platform(mesh)
     if exchange == "auto":
         exchange = "dense" if platform == "cpu" else "ragged"
-    kernels.grouped_matmul_impl(cfg.model, platform)  # a kernel this platform lacks: fail now
-    kernels.attention_impl(cfg.model, platform)
+    kernels.grouped_matmul_impl(cfg.execution, platform)  # a kernel this platform lacks: fail now
+    kernels.attention_impl(cfg.execution, platform)
     return comm.SpmdContext(layout=on_mesh, comm=dataclasses.replace(
         cfg.comm, expert_exchange=exchange), platform=platform,
         devices_per_node=cfg.mesh.devices_per_node)
@@ -306,7 +307,8 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
     logit_max_LH = stats["attention_logit_max_LH"]
     replicated = NamedSharding(sharding.placement_mesh(trainer.mesh), P())
     params, heads_clipped = qk_clip.clip(params, logit_max_LH, cfg.optim.qk_clip_threshold,
-                                         cfg.model, replicated)
+                                         cfg.model, replicated,
+                                         scanned=cfg.execution.scan_layers)
     counts_LE = stats["expert_counts_E"]
     router_bias_LE = updated_router_bias(state.router_bias_LE, counts_LE,
                                          cfg.model.router_bias_update_rate)
@@ -330,7 +332,7 @@ def train_step(state: TrainState, batch: Batch, *, trainer: Trainer):
         / stats["routed_copies"].sum(),
         "moe_remote_copy_fraction": stats["remote_copies"].sum() / stats["routed_copies"].sum(),
         # dispatches whose rows overflowed the bounded exchange buffers into a second round
-        # (exact, slower): near 0 when model.moe_buffer_factor suits the routing
+        # (exact, slower): near 0 when execution.moe_buffer_factor suits the routing
         "moe_overflow_rounds_per_dispatch": stats["overflow_rounds"].sum()
         / stats["dispatches"].sum(),
         # the largest pre-softmax attention logit (scale·q·k) of the step, before the clip

@@ -9,7 +9,7 @@ one device, or what the expert-axis peers sent) and returns each row's weighted 
 experts' outputs — by the blocked loop below, or by a library kernel in bounded windows
 of copies with a written-out backward (expert_windows.py); `grouped_swiglu` takes rows
 already sorted by expert with the group sizes (tests and benchmarks compare kernels on
-it). The kernels (`model.grouped_matmul`):
+it). The kernels (`execution.grouped_matmul`):
 
 - `tokamax`: tokamax's grouped matmul — on a GPU its Pallas Mosaic GPU kernel (bf16
   inputs: float32 ones are cast, accumulation float32), each row multiplied by its own
@@ -54,7 +54,7 @@ def compute_local_experts(x_RD, experts_RU, weights_RU, w_gate_EDF, w_up_EDF, w_
     from integer index arithmetic only: which row and which copy fill each block's slots
     (`BlockLayout`). The library kernels visit the experts `groups` at a time in windows
     of `window` copies (expert_windows.py; default: one window of every copy). `fp8`:
-    `model.fp8_expert_gemms` (the blocked kernel only).
+    `execution.fp8_expert_gemms` (the blocked kernel only).
     """
     r, u = experts_RU.shape
     if impl != "blocked":
@@ -74,7 +74,7 @@ class LocalExperts:
     impl: str
     block_rows: int = BLOCK_ROWS
     windows: Windows | None = None
-    fp8: str = "none"  # `model.fp8_expert_gemms` (the blocked kernel only)
+    fp8: str = "none"  # `execution.fp8_expert_gemms` (the blocked kernel only)
 
 
 def local_forward(x_RD, experts_RU, gates_RU, weights, how: LocalExperts):
@@ -188,7 +188,7 @@ def blocked_experts(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S, co
     hold copies are visited — a loop with a run-time trip count — and each gathers its
     rows, multiplies them by its expert's matrices and adds the weighted outputs into its
     rows: nothing is sized by the worst-case number of copies but the integer indices.
-    `fp8` ("none" or "block", model.fp8_expert_gemms): every GEMM of the forward and the
+    `fp8` ("none" or "block", execution.fp8_expert_gemms): every GEMM of the forward and the
     backward in DeepSeek-V3's FP8, emulated (fp8_linear.py), each block's rows its tiles.
     """
     return _blocked_experts_fwd(x_RD, weights_M, w_gate_EDF, w_up_EDF, w_down_EFD, row_S,

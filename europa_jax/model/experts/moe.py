@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from europa_jax.config import ConfigError, ModelConfig
+from europa_jax.config import ConfigError, ExecutionConfig, ModelConfig
 from europa_jax.model import kernels
 from europa_jax.model.experts.expert_matmul import LocalExperts
 from europa_jax.model.experts.expert_windows import Windows
@@ -79,53 +79,54 @@ def sequence_balance(logits_BSE: jax.Array, experts_BSU: jax.Array, tokens_BS: j
     return balance_B.sum(), has_tokens_B.sum().astype(jnp.float32)
 
 
-def expert_window_rows(t: int, cfg: ModelConfig, groups: int) -> int:
+def expert_window_rows(t: int, cfg: ModelConfig, ex: ExecutionConfig, groups: int) -> int:
     """Copies per window of one expert group: `moe_buffer_factor` × the copies a group
     expects (a device receives t·k copies on average, split over its groups)."""
-    return max(1, math.ceil(cfg.moe_buffer_factor * t * cfg.top_k / groups))
+    return max(1, math.ceil(ex.moe_buffer_factor * t * cfg.top_k / groups))
 
 
 MAX_WINDOW_ROWS = 65536  # auto expert groups: the fewest whose window is at most this
 
 
-def expert_groups(t: int, cfg: ModelConfig, local_experts: int) -> int:
-    if cfg.moe_expert_groups:
-        return cfg.moe_expert_groups
+def expert_groups(t: int, cfg: ModelConfig, ex: ExecutionConfig, local_experts: int) -> int:
+    if ex.moe_expert_groups:
+        return ex.moe_expert_groups
     return next(g for g in range(1, local_experts + 1) if local_experts % g == 0 and (
-        expert_window_rows(t, cfg, g) <= MAX_WINDOW_ROWS or g == local_experts))
+        expert_window_rows(t, cfg, ex, g) <= MAX_WINDOW_ROWS or g == local_experts))
 
 
-def local_experts(t: int, cfg: ModelConfig, e_local: int) -> LocalExperts:
+def local_experts(t: int, cfg: ModelConfig, ex: ExecutionConfig, e_local: int) -> LocalExperts:
     """How this device's experts run for t local tokens (the kernel of the platform)."""
-    impl = kernels.grouped_matmul_impl(cfg)
+    impl = kernels.grouped_matmul_impl(ex)
     if impl == "blocked":
-        return LocalExperts(impl, fp8=cfg.fp8_expert_gemms)
-    if cfg.fp8_expert_gemms != "none":
-        raise ConfigError(f"model.fp8_expert_gemms: {cfg.fp8_expert_gemms!r} runs with the "
+        return LocalExperts(impl, fp8=ex.fp8_expert_gemms)
+    if ex.fp8_expert_gemms != "none":
+        raise ConfigError(f"execution.fp8_expert_gemms: {ex.fp8_expert_gemms!r} runs with the "
                           f"`blocked` expert kernel only, not {impl!r}: no FP8 grouped GEMM "
                           "with block scales exists for it (docs/open-questions.md)")
-    groups = expert_groups(t, cfg, e_local)
-    return LocalExperts(impl, windows=Windows(impl, groups, expert_window_rows(t, cfg, groups)))
+    groups = expert_groups(t, cfg, ex, e_local)
+    return LocalExperts(impl, windows=Windows(impl, groups,
+                                              expert_window_rows(t, cfg, ex, groups)))
 
 
 def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
-                 cfg: ModelConfig):
+                 cfg: ModelConfig, ex: ExecutionConfig):
     """Routed experts with expert parallelism over the mesh's `expert` axis: the exchange
     rounds of moe_dispatch.py (through each expert's node first with a two-stage
     dispatch, node_dispatch.py), and what they carried (summed over the mesh)."""
     axis, per_node = comm.expert_axis(), comm.two_stage_nodes()
     ep, (t, k), e_local = axis.size, experts_TU.shape, w_gate_EDF.shape[0]
-    how = local_experts(t, cfg, e_local)
+    how = local_experts(t, cfg, ex, e_local)
     with jax.named_scope("expert_matmuls"):  # profiles (benchmarks/profile_breakdown.py)
         if per_node:
             inner = axis.inside_nodes(per_node)
-            rounds = Rounds.with_capacity(exchange_capacity(t, cfg, ep, per_node), how, inner)
+            rounds = Rounds.with_capacity(exchange_capacity(t, cfg, ex, ep, per_node), how, inner)
             y_TD, processed, e_RU, off_node = two_stage_dispatch(
                 x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD, rounds, axis,
                 per_node)
             rows_J = Layout.rows_per_peer(e_RU, e_local, per_node)
         else:
-            rounds = Rounds.of(t, cfg, axis, how)
+            rounds = Rounds.of(t, cfg, ex, axis, how)
             y_TD, processed = dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
                                        w_down_EFD, rounds)
             rows_J = Layout.rows_per_peer(experts_TU, e_local, ep)
@@ -148,19 +149,19 @@ def moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
 
 def dispatch_tokens(cfg) -> int:
     """Tokens one device dispatches at once under a run's config (`Config`): its rows'
-    tokens in one microbatch (`train.microbatches`) — one row's under `model.row_loop` —
+    tokens in one microbatch (`train.microbatches`) — one row's under `execution.row_loop` —
     or `moe_chunk_tokens` of them."""
     tokens = (cfg.data.global_batch_size * cfg.data.seq_len // cfg.mesh.n_devices
               // cfg.train.microbatches)
-    if cfg.model.row_loop:
+    if cfg.execution.row_loop:
         tokens = min(tokens, cfg.data.seq_len)
-    chunk = cfg.model.moe_chunk_tokens
+    chunk = cfg.execution.moe_chunk_tokens
     return min(tokens, chunk) if chunk else tokens
 
 
 def chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
-                     cfg: ModelConfig):
-    """`moe_dispatch` over `cfg.moe_chunk_tokens` tokens at a time (all at once for 0).
+                     cfg: ModelConfig, ex: ExecutionConfig):
+    """`moe_dispatch` over `ex.moe_chunk_tokens` tokens at a time (all at once for 0).
 
     Each chunk is dispatched on its own — its exchange buffers and expert windows sized
     by the chunk — and is a `jax.checkpoint`, so that the backward pass also holds one
@@ -172,16 +173,16 @@ def chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_
     those of one dispatch (up to summation order).
     """
     t, k = experts_TU.shape
-    chunk = cfg.moe_chunk_tokens
+    chunk = ex.moe_chunk_tokens
     if not chunk or chunk >= t:
         return moe_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF, w_down_EFD,
-                            cfg)
+                            cfg, ex)
     n = t // chunk  # the config checks that the chunk divides the sequence
 
     @jax.checkpoint
     def one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, x_YD, weights_YU, experts_YU):
         return moe_dispatch(x_YD, weights_YU, experts_YU, w_gate_EDF, w_up_EDF, w_down_EFD,
-                            cfg)
+                            cfg, ex)
 
     y_XYD, stats_X = jax.lax.map(
         lambda args: one_chunk(w_gate_EDF, w_up_EDF, w_down_EFD, *args),
@@ -195,6 +196,7 @@ class MoE(nn.Module):
 
     ROLE = "moe"  # used on its own (tests): its parameters' roles start here
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, router_bias_E: jax.Array, tokens_BS=None):
@@ -212,10 +214,10 @@ class MoE(nn.Module):
         logits_TE = x_TD.astype(jnp.float32) @ w_router_DE
         weights_TU, experts_TU = route(logits_TE, router_bias_E, cfg)
         y_TD, stats = chunked_dispatch(x_TD, weights_TU, experts_TU, w_gate_EDF, w_up_EDF,
-                                       w_down_EFD, cfg)
+                                       w_down_EFD, cfg, self.ex)
         routed_BSD = checkpoint_name(y_TD.astype(dt).reshape(b, s, d), "moe_out")
         if cfg.n_shared_experts:
-            shared_BSD = SwiGLU(cfg, name="shared")(x_BSD)
+            shared_BSD = SwiGLU(cfg, self.ex, name="shared")(x_BSD)
             routed_BSD = routed_BSD + shared_BSD
         # Loads over the whole global batch: the balancing bias must agree on every device.
         stats["expert_counts_E"] = comm.psum_all(

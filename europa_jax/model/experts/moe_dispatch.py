@@ -38,7 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from europa_jax.config import ModelConfig
+from europa_jax.config import ExecutionConfig, ModelConfig
 from europa_jax.model.experts.expert_matmul import LocalExperts, local_backward, local_forward
 from europa_jax.parallel import comm, fp8_rows
 
@@ -64,17 +64,19 @@ def expected_destinations(cfg: ModelConfig, ep: int) -> float:
     return ep * (1 - math.comb(e - e // ep, k) / math.comb(e, k))
 
 
-def expected_fill(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> float:
+def expected_fill(t: int, cfg: ModelConfig, ex: ExecutionConfig, ep: int,
+                  per_node: int = 0) -> float:
     """The share of round 0's exchange buffers that t tokens' routed rows are expected to
     fill (uniform routing): what a ragged exchange of them carries. `per_node`: of the
     second stage of a two-stage dispatch over nodes of that many devices."""
     if ep == 1:
         return 1.0
-    capacity, _ = exchange_capacity(t, cfg, ep, per_node)
+    capacity, _ = exchange_capacity(t, cfg, ex, ep, per_node)
     return min(1.0, t * expected_destinations(cfg, ep) / (per_node or ep) / capacity)
 
 
-def exchange_capacity(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> tuple[int, bool]:
+def exchange_capacity(t: int, cfg: ModelConfig, ex: ExecutionConfig, ep: int,
+                      per_node: int = 0) -> tuple[int, bool]:
     """(rows per peer in round 0, whether rows past it are dropped).
 
     Dropless, round 0 holds `moe_buffer_factor` × the rows a peer expects from this
@@ -92,7 +94,7 @@ def exchange_capacity(t: int, cfg: ModelConfig, ep: int, per_node: int = 0) -> t
     if cfg.moe_capacity_factor is not None:
         return min(rows, max(1, math.ceil(cfg.moe_capacity_factor * t * cfg.top_k / peers))), True
     expected = t * expected_destinations(cfg, ep) / peers
-    return min(rows, max(1, math.ceil(cfg.moe_buffer_factor * expected))), False
+    return min(rows, max(1, math.ceil(ex.moe_buffer_factor * expected))), False
 
 
 def expected_node_fill(cfg: ModelConfig, ep: int, per_node: int) -> float:
@@ -114,9 +116,9 @@ class Rounds:
     axis: comm.ExpertAxis  # kept: the backward pass is traced outside the SPMD context
 
     @classmethod
-    def of(cls, t: int, cfg: ModelConfig, axis: comm.ExpertAxis,
+    def of(cls, t: int, cfg: ModelConfig, ex: ExecutionConfig, axis: comm.ExpertAxis,
            experts: LocalExperts) -> "Rounds":
-        return cls.with_capacity(exchange_capacity(t, cfg, axis.size), experts, axis)
+        return cls.with_capacity(exchange_capacity(t, cfg, ex, axis.size), experts, axis)
 
     @classmethod
     def with_capacity(cls, capacity_drops: tuple[int, bool], experts: LocalExperts,

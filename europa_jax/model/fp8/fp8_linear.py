@@ -1,4 +1,4 @@
-"""The model's weight GEMMs in FP8 (`model.fp8_gemms`, `model.fp8_expert_gemms`).
+"""The model's weight GEMMs in FP8 (`execution.fp8_gemms`, `execution.fp8_expert_gemms`).
 
 Each GEMM `y = x · w` and both of its backward GEMMs (`dx = dy · wᵀ`, `dw = xᵀ · dy`) take
 operands rounded to FP8 and scaled back ("quantize-dequantize"), with the scales of a mode:

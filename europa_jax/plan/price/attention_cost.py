@@ -8,7 +8,7 @@ offsets, or a model of documents.py: Dolma's measured mix by default, the long-t
 stress case on request) is cut into global batches of B·S tokens as the
 input pipeline cuts it (a document that does not fit opens the next batch), each batch is
 laid out by the real balancer (data/packing.py, as `data.balance` says), and the slowest
-*unit* is read off: a rank, or with `model.attention_context_parallel` a node, whose
+*unit* is read off: a rank, or with `execution.attention_context_parallel` a node, whose
 GPUs share its rows' pairs evenly (parallel/comm.py AttentionGroup).
 
 Reported per GPU of the slowest unit: pairs expected (mean over batches), p95 and the
@@ -142,14 +142,14 @@ def slowest_pairs(cfg: Config, lengths_W: np.ndarray | None = None, *, source: s
     `block_skipping`: the backward runs the forward's tile pairs (module docstring)."""
     seq, rows, ranks = cfg.data.seq_len, cfg.data.global_batch_size, cfg.mesh.n_devices
     if context_parallel is None:
-        context_parallel = cfg.model.attention_context_parallel
+        context_parallel = cfg.execution.attention_context_parallel
     unit = cfg.mesh.node_group if context_parallel else 1
     if lengths_W is None:
         lengths_W = documents.lengths(documents_model, batches * rows * seq, seed)
         source = documents.MODELS[documents_model][0]
     source = source or f"{len(lengths_W):,} given document lengths"
     tile = attention.LIBRARY_SEQ_MULTIPLE
-    chunk = attention.backward_chunk_for(seq, cfg.model.attention_backward_chunk)
+    chunk = attention.backward_chunk_for(seq, cfg.execution.attention_backward_chunk)
     ratio = backward_per_forward(cfg.model.qk_head_dim, cfg.model.v_head_dim)
     slowest, mean, rank_ratio, node_ratio, run = [], [], [], [], []
     for length_X in global_batches(lengths_W, rows * seq, batches, seed):

@@ -52,7 +52,7 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
         off_node = node_visits * (nodes - 1) / nodes / destinations
     else:  # a row per destination GPU; those on other nodes cross
         off_node = (ep - g) / ep
-    capacity, drops = moe_dispatch.exchange_capacity(t, m, ep, per_node)
+    capacity, drops = moe_dispatch.exchange_capacity(t, m, cfg.execution, ep, per_node)
     out = {
         "expert_axis": ep, "nodes": nodes, "devices_per_node": cfg.mesh.devices_per_node,
         "dispatch": "two_stage" if two_stage else "direct",
@@ -62,7 +62,7 @@ def summary(cfg: Config, numbers: dict[str, float], machine) -> dict | None:
         "tokens_per_dispatch": t,
         "expected_destinations": destinations,
         "rows_per_peer_round0": capacity, "drops_past_capacity": drops,
-        "expected_fill": moe_dispatch.expected_fill(t, m, ep, per_node),
+        "expected_fill": moe_dispatch.expected_fill(t, m, cfg.execution, ep, per_node),
         # a two-stage dispatch's first stage: t rows per node, filled by the nodes visited
         "node_stage_fill": (moe_dispatch.expected_node_fill(m, ep, per_node) if two_stage
                             else None),

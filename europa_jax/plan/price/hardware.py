@@ -184,7 +184,7 @@ class Hardware:
     # and plain FP32 (HIGHEST) [h100], [tf32].
     tf32_per_bf16: float = 0.5
     fp32_per_bf16: float = 67.0 / 989.0
-    # A cuBLASLt FP8 GEMM (model.fp8_gemms: tensor) over a BF16 one of the same shape: the
+    # A cuBLASLt FP8 GEMM (execution.fp8_gemms: tensor) over a BF16 one of the same shape: the
     # FP8 peak is 2× BF16's [h100]; what kernels reach of it runs from [deepgemm]'s dense
     # 59 % of the FP8 peak at 4096×7168×2048 (against BF16's ~80 % at 4096³ [sweep]: 1.48×)
     # to [cublasfp8]'s 81 % at 8192³ (2.0×). Its quantization passes are memory-bound

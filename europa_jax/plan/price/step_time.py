@@ -284,7 +284,7 @@ def _lines(work: StepWork, hw: Hardware, by_case: dict) -> dict[str, dict]:
     and its source: the two priced inside their classes (what they add to them) and the
     chain and serial lines."""
     out = {}
-    # the float32 GEMMs only: FP8 ones (model.fp8_gemms) are faster than BF16, and their
+    # the float32 GEMMs only: FP8 ones (execution.fp8_gemms) are faster than BF16, and their
     # saving would otherwise be netted into this line
     float32_rows = tuple(row for row in work.dense_gemms
                          if row[4:] and row[4] in ("tf32", "fp32"))

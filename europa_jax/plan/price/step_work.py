@@ -51,14 +51,14 @@ def _attention(cfg: Config, attention: dict[str, Any], passes: float, pairs: str
 
 def forward_passes(cfg: Config, classes: dict | None) -> float:
     """How many times a layer's attention forward runs per step over a device's rows: the
-    program's forward kernel calls per layer (per row under `model.row_loop`, whose
+    program's forward kernel calls per layer (per row under `execution.row_loop`, whose
     kernels take one row each), or 2 under full remat (the backward recomputes it)."""
     if classes and classes["attention_forward"]["runs"]:
         rows = cfg.data.global_batch_size // cfg.mesh.n_devices // cfg.train.microbatches
-        calls_per_pass = max(1, rows) if cfg.model.row_loop else 1
+        calls_per_pass = max(1, rows) if cfg.execution.row_loop else 1
         return max(1.0, round(classes["attention_forward"]["runs"]
                               / attention_layers(cfg.model) / calls_per_pass))
-    return 2.0 if cfg.model.remat == "full" else 1.0
+    return 2.0 if cfg.execution.remat == "full" else 1.0
 
 
 def from_program(cfg: Config, classes: dict, attention: dict[str, Any], rows: list[dict], *,

@@ -150,8 +150,9 @@ def _windows(cfg: Config):
     """How the GPU program visits a device's experts (moe.local_experts): (its experts,
     the Windows of the library path or None)."""
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert
-    how = moe.local_experts(moe.dispatch_tokens(cfg), dataclasses.replace(
-        cfg.model, grouped_matmul=kernels.grouped_matmul_impl(cfg.model, "gpu")), e_local)
+    how = moe.local_experts(moe.dispatch_tokens(cfg), cfg.model, dataclasses.replace(
+        cfg.execution, grouped_matmul=kernels.grouped_matmul_impl(cfg.execution, "gpu")),
+        e_local)
     return e_local, how.windows
 
 
@@ -182,7 +183,7 @@ def expected_trips(cfg: Config, attention_pairs: dict | None = None):
     window runs. Under `block_skipping` (the recipe's attention, priced on our program) the
     backward visits its blocks in one kernel: no pair loop runs."""
     s, chunk = cfg.data.seq_len, attention.backward_chunk_for(
-        cfg.data.seq_len, cfg.model.attention_backward_chunk)
+        cfg.data.seq_len, cfg.execution.attention_backward_chunk)
     chunks = -(-s // chunk) if chunk else 1
     off_diagonal = (chunks - 1) / 2
     if attention_pairs and attention_pairs.get("block_skipping"):
@@ -212,11 +213,13 @@ def exchange_fill(c: hlo_report.Collective, cfg: Config) -> float:
     ep, per_node = cfg.mesh.expert, exchange.two_stage_nodes(cfg)
     if per_node and c.bytes_per_device and c.infiniband_bytes >= c.bytes_per_device:
         return moe_dispatch.expected_node_fill(cfg.model, ep, per_node)
-    return moe_dispatch.expected_fill(moe.dispatch_tokens(cfg), cfg.model, ep, per_node)
+    return moe_dispatch.expected_fill(moe.dispatch_tokens(cfg), cfg.model, cfg.execution, ep,
+                                      per_node)
 
 
 def visible_attention(cfg: Config) -> Config:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
+    return dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution,
+                                                                  attention="blockwise"))
 
 
 # the MTP modules' op names (mtp.py: scanned `mtp_layers`, unrolled `mtp_layers_<k>`)
@@ -265,8 +268,9 @@ def dense_expert_buffers(text: str, cfg: Config) -> list[dict]:
     a grouped-matmul kernel must avoid."""
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert
     tokens = moe.dispatch_tokens(cfg)
-    windows = moe.local_experts(tokens, dataclasses.replace(cfg.model, grouped_matmul=(
-        kernels.grouped_matmul_impl(cfg.model, "gpu"))), e_local).windows
+    windows = moe.local_experts(tokens, cfg.model, dataclasses.replace(
+        cfg.execution, grouped_matmul=kernels.grouped_matmul_impl(cfg.execution, "gpu")),
+        e_local).windows
     if windows is None or windows.groups == e_local:
         return []  # a group of one expert is a plain matmul: nothing to expand
     experts, rows = e_local // windows.groups, windows.window
@@ -285,7 +289,7 @@ def device_buffers(text: str, n: int) -> list[dict]:
 def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_state: int,
                   exchange_rows: list[dict]) -> list[dict]:
     """Whether each GPU-only path of the step compiled to what it should."""
-    impl = kernels.grouped_matmul_impl(cfg.model, "gpu")
+    impl = kernels.grouped_matmul_impl(cfg.execution, "gpu")
     library = facts["library_kernels"].get("grouped_gemm", {})
     dense = facts["dense_expert_buffers"]
     checks = [{
@@ -308,7 +312,7 @@ def kernel_checks(cfg: Config, numbers: dict[str, float], facts: dict, host_stat
                  **facts["library_kernels"].get("attention_backward", {})}
     square = facts["dense_attention_buffers"]
     checks.append({
-        "path": "attention", "configured": kernels.attention_impl(cfg.model, "gpu"),
+        "path": "attention", "configured": kernels.attention_impl(cfg.execution, "gpu"),
         "expected": "a library flash-attention kernel, no [seq, seq] buffer",
         "found": (", ".join(f"{k} ×{v}" for k, v in attention.items())
                   or "XLA loops of the pure-JAX blockwise kernel") + "; "

@@ -118,7 +118,7 @@ class ToolchainError(ConfigError):
 # gpu extra) takes the newest CUDA 12 wheels, 12.9. The compiler reads the version from the
 # target: without it XLA takes the toolkit to be version 0 and silently compiles every FP8
 # dot as an FP16 GEMM ("FP8 Custom Calls require CUDA 12.0 or newer"; found compiling
-# model.fp8_gemms, tests/test_fp8_linear.py).
+# execution.fp8_gemms, tests/test_fp8_linear.py).
 CUDA_RUNTIME = (12, 9)
 
 

@@ -151,8 +151,9 @@ def measure(cfg: Config, mesh) -> tuple[dict[str, float], dict[str, list[dict]]]
 def without_remat(cfg: Config) -> Config:
     """The same step saving every activation: its matmuls ÷ the step's = recompute. (The
     layer inputs' e4m3 rounding, which only a kept input needs, moves no matmul.)"""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none",
-                                                              layer_input_format="compute_dtype"),
+    return dataclasses.replace(cfg, execution=dataclasses.replace(
+                                   cfg.execution, remat="none",
+                                   layer_input_format="compute_dtype"),
                                offload=dataclasses.replace(cfg.offload, activations="none"))
 
 
