@@ -85,11 +85,28 @@ def tiny_cfg():
     cfg = load_config(config_path("tiny-cpu.yaml"))
     model = dataclasses.replace(cfg.model, d_model=32, q_lora_rank=16, kv_lora_rank=16,
                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                                dense_ffn_dim=64, expert_ffn_dim=16, attention_block_size=16)
+                                dense_ffn_dim=64, expert_ffn_dim=16)
+    execution = dataclasses.replace(cfg.execution, attention_block_size=16)
     data = dataclasses.replace(cfg.data, seq_len=64, global_batch_size=8, max_documents=40,
                                validation_fraction=0.0)
     train = dataclasses.replace(cfg.train, steps=10, eval_every=0)
-    return dataclasses.replace(cfg, model=model, data=data, train=train)
+    return dataclasses.replace(cfg, model=model, execution=execution, data=data, train=train)
+
+
+def split_changes(model, execution, **changes):
+    """(model, execution): a ModelConfig and an ExecutionConfig with each of `changes` set
+    in the one that has the key — what the model is, or how it runs."""
+    parts = {"model": (model, {}), "execution": (execution, {})}
+    for key, value in changes.items():
+        (part,) = [p for p, (obj, _) in parts.items() if key in obj.__dataclass_fields__]
+        parts[part][1][key] = value
+    return tuple(dataclasses.replace(obj, **kw) for obj, kw in parts.values())
+
+
+def with_settings(cfg, **changes):
+    """`cfg` (a Config) with each of `changes` set in its model or execution section."""
+    model, execution = split_changes(cfg.model, cfg.execution, **changes)
+    return dataclasses.replace(cfg, model=model, execution=execution)
 
 
 def train_for(cfg, steps):
@@ -165,15 +182,16 @@ def rows_with_documents(cfg):
             return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def objective_gradients(cfg, batch, state, microbatches=1, **model_changes):
-    """((loss, stats), gradients) of `train.gradients` for `cfg` with `model_changes`
-    (e.g. seq_aux_loss_weight=0.5) in `microbatches`, as host arrays."""
+def objective_gradients(cfg, batch, state, microbatches=1, **changes):
+    """((loss, stats), gradients) of `train.gradients` for `cfg` with `changes` of the model
+    or its execution (e.g. seq_aux_loss_weight=0.5, fp8_gemms="block", `with_settings`) in
+    `microbatches`, as host arrays."""
     import jax
 
     from europa_jax.parallel import offload, sharding
     from europa_jax.train import train
 
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_changes),
+    cfg = dataclasses.replace(with_settings(cfg, **changes),
                               train=dataclasses.replace(cfg.train, microbatches=microbatches))
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
 
@@ -213,3 +231,41 @@ def gh200_program_text(fn, *args) -> str:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         lowered = jax.jit(fn, in_shardings=replicated).lower(*args)
         return gpu_target.compile_lowered(lowered, mesh).as_text()
+
+
+def cli(*args, env=None, timeout=900, **popen):
+    """`europa-jax ARGS` in its own process from the repository root: the finished process
+    (stdout, stderr, returncode), for the tests whose subject is the process boundary."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env, **popen)
+
+
+def assert_trees_close(actual, expected, rtol, atol=0.0):
+    """Two pytrees of the same structure hold the same values within the tolerances; a
+    failure names the leaf by its path."""
+    import jax
+    import numpy as np
+
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
+                            jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def train_in_process(run_dir, overrides=(), config="tiny-cpu.yaml"):
+    """`europa-jax train CONFIG --set OVERRIDES --run-dir RUN_DIR`, run by the loop in this
+    process (the 8 test devices), with `train.eval_tasks` evaluated as the CLI has them: the
+    config it trained. For tests that need a trained run directory, not the process around it."""
+    from europa_jax.run import loop
+
+    cfg = load_config(config_path(config), list(overrides))
+    tasks = None
+    if cfg.train.eval_tasks:
+        from europa_jax.eval.during_training import TaskEvaluation
+
+        tasks = TaskEvaluation(cfg)
+    loop.train(cfg, run_dir, tasks=tasks)
+    return cfg

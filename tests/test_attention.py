@@ -77,7 +77,7 @@ def test_dense_equals_naive_values_logit_max_and_gradients(block):
 
 
 def test_auto_is_dense_on_cpu_only_while_the_scores_fit(tiny_cfg):
-    cfg = tiny_cfg.model
+    cfg = tiny_cfg.execution
     fits = kernels.DENSE_ATTENTION_MAX_BYTES
     assert kernels.attention_impl(cfg, "cpu", scores_bytes=fits) == "dense"
     assert kernels.attention_impl(cfg, "cpu", scores_bytes=fits + 1) == "blockwise"
@@ -180,14 +180,14 @@ def test_the_model_s_attention_layer_is_the_same_with_either_kernel(tiny_cfg):
     x = jax.random.normal(jax.random.key(7), (b, s, cfg.d_model))
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 30 + [3] * 14], b, axis=0), jnp.int32)
     cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(s), (b, s)), cfg)
-    layers = {impl: MLAttention(dataclasses.replace(cfg, attention=impl))
+    layers = {impl: MLAttention(cfg, dataclasses.replace(tiny_cfg.execution, attention=impl))
               for impl in ("blockwise", "tokamax_xla")}
     params = layers["blockwise"].init(jax.random.key(0), x, seg, cos, sin)
     outs = {impl: layer.apply(params, x, seg, cos, sin) for impl, layer in layers.items()}
     np.testing.assert_allclose(outs["tokamax_xla"], outs["blockwise"], rtol=1e-5, atol=1e-6)
     # both report the same per-head max logit (QK-clip), beside the same output
-    reported = {impl: MLAttention(layer.cfg, report_logit_max=True).apply(params, x, seg, cos, sin)
-                for impl, layer in layers.items()}
+    reported = {impl: MLAttention(cfg, layer.ex, report_logit_max=True).apply(
+                    params, x, seg, cos, sin) for impl, layer in layers.items()}
     np.testing.assert_array_equal(reported["blockwise"][0], outs["blockwise"])
     assert reported["blockwise"][1].shape == (cfg.n_heads,)
     np.testing.assert_allclose(reported["tokamax_xla"][1], reported["blockwise"][1], rtol=1e-6)

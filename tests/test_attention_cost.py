@@ -145,6 +145,7 @@ def test_the_plan_reports_the_kernels_pairs_beside_the_model_s(tiny_cfg):
         chunk * (chunk + 1))
 
 
+@pytest.mark.slow
 def test_the_backward_loops_are_priced_at_the_trips_the_documents_make():
     """The plan prices the memory-bound kernels of the attention backward's pair loop at
     the trips the document model gives (as its FLOPs), not at one document per row."""
@@ -152,7 +153,7 @@ def test_the_backward_loops_are_priced_at_the_trips_the_documents_make():
     from europa_jax.plan.program import gpu_program
 
     cfg = load_config(config_path("europa-952b.yaml"))
-    s, chunk = cfg.data.seq_len, cfg.model.attention_backward_chunk
+    s, chunk = cfg.data.seq_len, cfg.execution.attention_backward_chunk
     x = s // chunk
     op = "jit(train_step)/transpose(jvp())/attention/attention_kernel/while/body"
 

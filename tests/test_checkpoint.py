@@ -33,7 +33,7 @@ from conftest import REPO, config_path, process_env
 
 # Small enough that one compile is ~20 s on 2 cores; the compilation cache makes reruns ~5 s.
 TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-        "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
+        "data.seq_len=64", "execution.attention_block_size=64", "execution.remat=none",
         "data.max_documents=40", "data.global_batch_size=8", "train.steps=8", "train.eval_every=0",
         "train.log_every=1", "checkpoint.every_steps=2"]
 
@@ -186,6 +186,29 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     rc, out, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
     assert rc == exit_codes.OK and json.loads(out) == {"steps": 6}, err[-3000:]
     assert f"europa-jax: {tmp_path} already holds step 6, the last: nothing to train" in err
+
+
+@pytest.mark.slow
+def test_a_run_saved_before_the_execution_section_resumes_as_it_was_saved(tmp_path, cli_env):
+    """Checkpoints whose saved config holds `remat`, `attention_block_size`, … under
+    `model:` (before `execution:` existed) resume: their keys move to `execution` on
+    reading, so the resume sees only what the command changed."""
+    rc, _, err = run_cli(tmp_path, cli_env, "train.steps=2")
+    assert rc == exit_codes.OK, err[-3000:]
+    for step in checkpoint.committed_steps(tmp_path):
+        path = checkpoint.checkpoint_dir(tmp_path) / str(step) / "meta" / "metadata"
+        meta = json.loads(path.read_text())
+        saved = meta["config"]
+        saved["model"].update(saved.pop("execution"))  # the layout of the version before
+        assert saved["model"]["remat"] == "none"
+        path.write_text(json.dumps(meta))
+    rc, _, err = run_cli(tmp_path, cli_env, "train.steps=3")
+    assert rc == exit_codes.OK, err[-3000:]
+    assert "resuming step 2 with train.steps changed since it was saved: 2 → 3\n" in err
+    assert "execution." not in err and "moved to" not in err
+    (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
+    assert changed["keys"] == ["train.steps"]
+    assert [m["step"] for m in metrics(tmp_path)][-1] == 3
 
 
 def test_a_second_ctrl_c_quits_at_once():
@@ -378,8 +401,8 @@ def test_two_processes_agree_on_the_step_when_only_one_is_signalled(
 @pytest.fixture(scope="module")
 def small(tiny_cfg):
     """A cheap-to-compile 2×4 config, its trainer, an initial state and a batch."""
-    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
-        tiny_cfg.model, remat="none", attention_block_size=tiny_cfg.data.seq_len))
+    cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(
+        tiny_cfg.execution, remat="none", attention_block_size=tiny_cfg.data.seq_len))
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train.build_trainer(cfg, mesh)
     state = train.init_state(trainer, seed=0)
@@ -551,6 +574,7 @@ def test_fingerprint_is_sharding_independent_and_sees_one_bit(small):
     assert saved_checkpoints.host_bit_sum(flipped) != fp["final_norm.scale"]
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_is_reported_cleaned_up_and_the_next_one_works(small, tmp_path):
     tiny_cfg, trainer, state, _ = small
     saver = None

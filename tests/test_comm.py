@@ -16,6 +16,7 @@ from europa_jax.parallel import comm, layout, sharding
 from europa_jax.plan.program import hlo_report
 from europa_jax.train import train
 from test_moe import dense_reference
+from conftest import assert_trees_close, with_settings
 
 MESH = MeshConfig(data=2, expert=4)
 BATCH = P(("data", "expert"))
@@ -28,7 +29,9 @@ def mesh():
 
 def ctx_for(mesh, model, **comm_kw):
     """The SPMD context of `model`'s parameters on `mesh`, dense exchange unless told."""
-    return comm.SpmdContext(layout=layout.for_mesh(model, sharding.mesh_shape_of(mesh)),
+    # (tiny-cpu's execution.param_pad_multiple: 1, nothing stored padded)
+    return comm.SpmdContext(layout=layout.for_mesh(model, sharding.mesh_shape_of(mesh),
+                                                   pad_multiple=1),
                             comm=CommConfig(**{"expert_exchange": "dense", **comm_kw}))
 
 
@@ -88,11 +91,11 @@ def test_expert_weights_keep_their_expert_sharding(mesh):
 # ----------------------------------------------------------------------------- MoE exchange
 
 
-def moe_setup(tiny_cfg, **model_kw):
-    model_kw = {"grouped_matmul": "blocked", **model_kw}
-    cfg = dataclasses.replace(tiny_cfg.model, compute_dtype="float32", n_routed_experts=16,
-                              top_k=4, **model_kw)
-    moe = MoE(cfg)
+def moe_setup(tiny_cfg, **changes):
+    both = with_settings(tiny_cfg, **{"grouped_matmul": "blocked", "compute_dtype": "float32",
+                                      "n_routed_experts": 16, "top_k": 4, **changes})
+    cfg = both.model
+    moe = MoE(cfg, both.execution)
     x = jax.random.normal(jax.random.key(3), (8, 16, cfg.d_model))
     boxed = moe.init(jax.random.key(5), x, jnp.zeros(16))["params"]
     params = jax.tree.map(lambda p: p * 10, nn.unbox(boxed))  # sharper routing
@@ -107,8 +110,8 @@ _COMPILED = {}
 
 
 def _moe_fn(mesh, moe, boxed, ctx):
-    """jit(shard_map(MoE.apply)) — compiled once per model config and context."""
-    key = (moe.cfg, ctx)
+    """jit(shard_map(MoE.apply)) — compiled once per model, execution and context."""
+    key = (moe.cfg, moe.ex, ctx)
     if key not in _COMPILED:
         specs = ctx.layout.specs({"moe": boxed})["moe"]  # roles: the module's path in a block
 
@@ -163,9 +166,7 @@ def test_expert_parallel_moe_equals_dense_reference(ep_and_reference, routing):
     if routing == "empty_experts":
         assert np.all(counts[::2] == 0)
     g_ep, g_ref = ep_grad(params, x, bias), ref_grad(params, x, bias)
-    for path, a in jax.tree_util.tree_flatten_with_path(g_ep)[0]:
-        b = dict(jax.tree_util.tree_flatten_with_path(g_ref)[0])[path]
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=str(path))
+    assert_trees_close(g_ep, g_ref, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_expert_parallel_moe_equals_dense_reference(tiny_cfg, mesh):

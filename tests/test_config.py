@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from europa_jax.config import check_device_count, ConfigError
+from europa_jax.config import check_device_count, Config, ConfigError
 from europa_jax.config_loader import load_config
 from conftest import config_path
 
@@ -25,15 +25,16 @@ ERRORS = [
     (["modle.d_model=3"], r"modle: unknown key; did you mean 'model'\?"),
     (["model.d_model=abc"], r"model\.d_model: expected int, got 'abc'"),
     (["model.d_model=1.5"], r"model\.d_model: expected int, got 1\.5"),
-    (["model.scan_layers=3"], r"model\.scan_layers: expected bool, got 3"),
-    (["model.compute_dtype=fp8"], r"model\.compute_dtype: 'fp8' is not one of"),
+    (["execution.scan_layers=3"], r"execution\.scan_layers: expected bool, got 3"),
+    (["execution.compute_dtype=fp8"], r"execution\.compute_dtype: 'fp8' is not one of"),
     (["model.n_routed_experts=18", "model.n_group=1", "model.topk_group=1"],
      r"model\.n_routed_experts: 18 is not divisible by mesh\.expert=4"),
     (["model.top_k=17"], r"model\.top_k: 17 > model\.n_routed_experts=16"),
     (["model.n_group=3"], r"model\.n_group: 3 does not divide model\.n_routed_experts=16"),
     (["model.topk_group=5"], r"model\.topk_group: 5 > model\.n_group=4"),
     (["model.topk_group=1", "model.top_k=5"], r"model\.top_k: 5 > topk_group × experts per group"),
-    (["data.seq_len=200"], r"data\.seq_len: 200 is not divisible by model\.attention_block_size"),
+    (["data.seq_len=200"], r"data\.seq_len: 200 is not divisible by "
+                           r"execution\.attention_block_size"),
     (["data.global_batch_size=12"], r"data\.global_batch_size: 12 is not divisible by the "
                                     r"mesh's 8 devices"),
     (["model.d_model=0"], r"model\.d_model: 0 must be positive"),
@@ -50,10 +51,11 @@ ERRORS = [
     (["mesh.data=0"], r"mesh\.data: 0 must be positive"),
     (["train.steps"], r"--set 'train\.steps': expected KEY=VALUE"),
     (["data.source=web"], r"data\.source: 'web' is not one of: stdlib"),
-    (["model.layer_input_format=e4m3"], r"model\.layer_input_format: e4m3 makes the kept layer "
-                                        r"inputs smaller, but offload\.activations=none keeps none"),
-    (["model.layer_input_format=fp8"], r"model\.layer_input_format: 'fp8' is not one of: "
-                                       r"compute_dtype, e4m3"),
+    (["execution.layer_input_format=e4m3"], r"execution\.layer_input_format: e4m3 makes the "
+     r"kept layer inputs smaller, but offload\.activations=none keeps none"),
+    (["execution.layer_input_format=fp8"], r"execution\.layer_input_format: 'fp8' is not one "
+     r"of: compute_dtype, e4m3"),
+    (["execution.moe_buffer_factor=0"], r"execution\.moe_buffer_factor: 0\.0 must be positive"),
 ]
 
 
@@ -101,3 +103,77 @@ def test_overrides_apply_and_parse_numbers():
     cfg = load_config(config_path("tiny-cpu.yaml"), ["optim.learning_rate=1e-4",
                                                      "model.rope_scaling.factor=8"])
     assert cfg.optim.learning_rate == 1e-4 and cfg.model.rope_scaling.factor == 8.0
+
+
+def old_layout(raw: dict) -> dict:
+    """A config dict as a run saved it before `execution:` existed: its keys under `model`."""
+    return {**{k: v for k, v in raw.items() if k != "execution"},
+            "model": {**raw["model"], **raw["execution"]}}
+
+
+def test_a_key_that_moved_is_refused_naming_its_new_key(tmp_path):
+    from europa_jax.config_loader import MOVED
+
+    assert MOVED["model.remat"] == "execution.remat" and len(MOVED) == 17
+    old = tmp_path / "old.yaml"
+    old.write_text(Path(config_path("tiny-cpu.yaml")).read_text()
+                   .replace("\nexecution:\n", "\n", 1))  # its keys left under model:
+    with pytest.raises(ConfigError) as info:
+        load_config(old)
+    assert re.fullmatch(rf"{re.escape(str(old))}: model\.\w+ moved to execution\.\w+",
+                        str(info.value)), str(info.value)
+    with pytest.raises(ConfigError, match=r"^--set model\.remat=none \(on .*tiny-cpu\.yaml\): "
+                                          r"model\.remat moved to execution\.remat$"):
+        load_config(config_path("tiny-cpu.yaml"), ["model.remat=none"])
+    cfg = load_config(config_path("tiny-cpu.yaml"), ["execution.remat=none"])
+    assert cfg.execution.remat == "none"
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_moved_key_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "europa_jax.cli", "train",
+                           config_path("tiny-cpu.yaml"), "--run-dir", str(run_dir),
+                           "--set", "model.scan_layers=false"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "model.scan_layers moved to execution.scan_layers" in done.stderr
+    assert len([line for line in done.stderr.splitlines() if "moved to" in line]) == 1
+    assert not run_dir.exists()
+
+
+def test_a_saved_config_of_the_old_layout_moves_its_keys():
+    """A checkpoint saved before the move reads in this layout; a user's file does not."""
+    from europa_jax.config_loader import from_dict, saved_config, to_dict
+
+    cfg = load_config(config_path("tiny-cpu.yaml"), ["execution.remat=none",
+                                                     "execution.moe_chunk_tokens=64"])
+    now = to_dict(cfg)
+    before = old_layout(now)
+    assert "remat" in before["model"] and "execution" not in before
+    assert saved_config(before) == now
+    assert from_dict(Config, saved_config(before)) == cfg
+    assert "remat" in before["model"]  # the saved dict itself is left as it was
+    assert saved_config(now) == now  # this version's layout passes unchanged
+    with pytest.raises(ConfigError, match=r"model\.\w+ moved to execution\.\w+"):
+        from_dict(Config, before)
+
+
+def test_a_checkpoints_metadata_reads_in_this_layout(tmp_path):
+    import json
+
+    from europa_jax.config_loader import to_dict
+    from europa_jax.store import resume_changes, saved_checkpoints
+
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    step_dir = tmp_path / "checkpoints" / "3"
+    (step_dir / "meta").mkdir(parents=True)
+    (step_dir / "meta" / "metadata").write_text(json.dumps(
+        {"step": 3, "config": old_layout(to_dict(cfg)), "fingerprint": {}}))
+    meta = saved_checkpoints.read_meta(step_dir)
+    assert meta["config"] == json.loads(json.dumps(to_dict(cfg))) and meta["step"] == 3
+    assert resume_changes.describe(meta["config"], cfg, 3) == []  # nothing changed

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import train_for
+from conftest import assert_trees_close, train_for, with_settings
 from europa_jax.config import ConfigError, MeshConfig
 from europa_jax.model.attention import MLAttention
 from europa_jax.model.layers import rope_tables
@@ -45,28 +45,29 @@ def packed_rows(b: int, seed: int = 0):
 
 
 def attention_setup(tiny_cfg, n_heads):
-    cfg = dataclasses.replace(tiny_cfg.model, compute_dtype="float32", n_heads=n_heads,
-                              attention="dense")
+    """(the Config, its layer's inputs and parameters)."""
+    cfg = with_settings(tiny_cfg, compute_dtype="float32", n_heads=n_heads, attention="dense")
     b = 8
-    x_BSD = jax.random.normal(jax.random.key(1), (b, S, cfg.d_model))
+    x_BSD = jax.random.normal(jax.random.key(1), (b, S, cfg.model.d_model))
     seg_BS, pos_BS = packed_rows(b)
-    cos, sin = rope_tables(pos_BS, cfg)
-    boxed = MLAttention(cfg).init(jax.random.key(0), x_BSD, seg_BS, cos, sin)["params"]
+    cos, sin = rope_tables(pos_BS, cfg.model)
+    boxed = MLAttention(cfg.model, cfg.execution).init(jax.random.key(0), x_BSD, seg_BS, cos,
+                                                       sin)["params"]
     return cfg, x_BSD, seg_BS, pos_BS, boxed
 
 
 def split_attention(mesh, cfg, boxed, context_parallel: bool):
     """jit(shard_map(MLAttention)) on the mesh: (out [B, S, D], each device's reported
     logit max [8, H]) of the rows' attention, this device's rows and positions in."""
-    cfg = dataclasses.replace(cfg, attention_context_parallel=context_parallel)
-    ctx = ctx_for(mesh, cfg)
+    cfg = with_settings(cfg, attention_context_parallel=context_parallel)
+    ctx = ctx_for(mesh, cfg.model)
     specs = ctx.layout.specs({"attention": boxed})["attention"]
-    layer = MLAttention(cfg, report_logit_max=True)
+    layer = MLAttention(cfg.model, cfg.execution, report_logit_max=True)
 
     def body(params, x_BSD, seg_BS, pos_BS):
         with comm.spmd(ctx):
-            group = comm.attention_group(cfg.attention_context_parallel)
-            cos, sin = rope_tables(group.gather_rows(pos_BS), cfg)
+            group = comm.attention_group(cfg.execution.attention_context_parallel)
+            cos, sin = rope_tables(group.gather_rows(pos_BS), cfg.model)
             out_BSD, logit_max_H = layer.apply({"params": params}, x_BSD,
                                                group.gather_rows(seg_BS), cos, sin)
             return out_BSD, logit_max_H[None]
@@ -76,9 +77,9 @@ def split_attention(mesh, cfg, boxed, context_parallel: bool):
 
 
 def unsplit_attention(cfg, params, x_BSD, seg_BS, pos_BS):
-    cos, sin = rope_tables(pos_BS, cfg)
-    return MLAttention(cfg, report_logit_max=True).apply({"params": params}, x_BSD, seg_BS,
-                                                         cos, sin)
+    cos, sin = rope_tables(pos_BS, cfg.model)
+    return MLAttention(cfg.model, cfg.execution, report_logit_max=True).apply(
+        {"params": params}, x_BSD, seg_BS, cos, sin)
 
 
 @pytest.mark.parametrize("n_heads,expert", [(4, 4), (8, 4), (4, 8)])  # 1 or 2 heads per
@@ -108,9 +109,7 @@ def test_attention_over_the_node_equals_unsplit_values_gradients_and_logit_max( 
         params, x_BSD)
     ref_grads = jax.grad(loss(lambda p, x: unsplit_attention(cfg, p, x, seg_BS, pos_BS)[0]),
                          argnums=(0, 1))(params, x_BSD)
-    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                            jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-6)
 
 
 def test_without_context_parallelism_each_device_reports_its_own_rows(tiny_cfg, mesh):
@@ -126,13 +125,12 @@ def test_without_context_parallelism_each_device_reports_its_own_rows(tiny_cfg, 
 
 
 def with_context_parallel(cfg, on=True):
-    return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, attention_context_parallel=on))
+    return dataclasses.replace(cfg, execution=dataclasses.replace(
+        cfg.execution, attention_context_parallel=on))
 
 
 def test_training_losses_match_the_run_without_context_parallelism(tiny_cfg):
-    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
-        tiny_cfg.model, compute_dtype="float32"))
+    cfg = with_settings(tiny_cfg, compute_dtype="float32")
     _, losses = train_for(cfg, 4)
     _, cp_losses = train_for(with_context_parallel(cfg), 4)
     np.testing.assert_allclose(cp_losses, losses, rtol=1e-5)
@@ -199,6 +197,6 @@ def test_over_an_expert_axis_across_nodes_the_latents_stay_inside_each_node(tiny
 
 
 def test_heads_that_do_not_split_over_the_node_are_a_config_error(tiny_cfg):
-    with pytest.raises(ConfigError, match="model.attention_context_parallel.*n_heads=6"):
+    with pytest.raises(ConfigError, match="execution.attention_context_parallel.*n_heads=6"):
         with_context_parallel(dataclasses.replace(
             tiny_cfg, model=dataclasses.replace(tiny_cfg.model, n_heads=6)))

@@ -2,20 +2,18 @@
 70/30 mixture of them, export, load with transformers' Auto classes, sample from the run."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, config_path
+import conftest
+from conftest import config_path
 
 WEB = ["The quick brown fox jumps over the lazy dog. " * (3 + i % 5) for i in range(60)]
 CODE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 4 for i in range(60)]
 
 
 def cli(*args):
-    done = subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    done = conftest.cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -41,7 +39,7 @@ def test_prepare_mix_train_export_load_and_sample(tmp_path):
                f"{{path: {tmp_path / 'code'}, weight: 0.3}}]")
     sets = ["data.source=prepared", f"data.sources={sources}", "data.validation_fraction=0",
             "train.eval_every=0", "train.steps=3", "train.log_every=1",
-            "checkpoint.every_steps=0", "model.remat=none"]
+            "checkpoint.every_steps=0", "execution.remat=none"]
     cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(run),
         *[a for s in sets for a in ("--set", s)])
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -121,7 +121,7 @@ def test_float32_gemms_run_at_the_tf32_or_fp32_peak_and_the_line_says_what_it_co
     assert fp32["dense_gemm"] == pytest.approx(989 / 67 * bf16["dense_gemm"])
     e = step_time.estimate(tf32_work, GH, tokens_per_device=1.0, model_flops=1.0)
     assert e["lines"]["tf32_gemms"]["seconds"]["expected"] == pytest.approx(bf16["dense_gemm"])
-    # an FP8 GEMM (model.fp8_gemms) runs at fp8_per_bf16 × BF16's speed, and its saving is
+    # an FP8 GEMM (execution.fp8_gemms) runs at fp8_per_bf16 × BF16's speed, and its saving is
     # not netted into the float32 GEMMs' line
     both = work(dense_gemms=(("a", 4096, big, 0.0, "tf32"), ("b", 4096, big, 0.0, "fp8")))
     assert step_time.price(both, GH, "expected")["dense_gemm"] == pytest.approx(

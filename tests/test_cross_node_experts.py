@@ -107,7 +107,7 @@ def test_with_a_capacity_the_dropped_rows_are_exactly_the_counted_ones(tiny_cfg,
                                            moe_capacity_factor=0.5)
     bias = jnp.zeros(E).at[:4].set(100.0)  # every token wants device 0 and 1's experts
     y, stats = _moe_fn(wide_mesh, moe, boxed, ctx_for(wide_mesh, moe.cfg))(params, x, bias)
-    capacity, drops = moe_dispatch.exchange_capacity(16, cfg, 8)
+    capacity, drops = moe_dispatch.exchange_capacity(16, cfg, moe.ex, 8)
     assert drops and capacity == math.ceil(0.5 * 16 * K / 8)
     x_TD = x.reshape(-1, cfg.d_model)
     weights_TU, experts_TU = route(x_TD @ params["w_router"], bias, cfg)
@@ -149,8 +149,10 @@ def test_the_config_asks_for_whole_nodes_and_node_aligned_groups(tiny_cfg):
         dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=1, expert=8, devices_per_node=2),
                             model=dataclasses.replace(tiny_cfg.model, n_group=2, topk_group=1))
     with pytest.raises(ConfigError, match=r"n_heads=6 is not divisible by the 4 GPUs"):
-        dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=1, expert=8), model=dataclasses.replace(
-            tiny_cfg.model, n_heads=6, attention_context_parallel=True))
+        dataclasses.replace(tiny_cfg, mesh=MeshConfig(data=1, expert=8),
+                            model=dataclasses.replace(tiny_cfg.model, n_heads=6),
+                            execution=dataclasses.replace(tiny_cfg.execution,
+                                                          attention_context_parallel=True))
 
 
 # ----------------------------------------------------------------------------- links
@@ -219,6 +221,7 @@ def test_the_plan_charges_each_link_its_part():
     assert seconds["nvlink"] == pytest.approx(sum(r["nvlink_s"] for r in rows.values()))
 
 
+@pytest.mark.slow
 def test_the_plan_prices_a_two_stage_exchange_by_the_nodes_a_token_visits():
     """europa-952b at expert parallelism 64 (16 nodes, a token on ≤ 4): direct, a row per
     destination GPU crosses the network (60 of 64 on other nodes); two-stage, a row per
@@ -229,7 +232,7 @@ def test_the_plan_prices_a_two_stage_exchange_by_the_nodes_a_token_visits():
     from europa_jax.plan.program import gpu_program
 
     sets = ["mesh.data=6", "mesh.expert=64", "mesh.allow_cross_node_experts=true",
-            "model.n_group=16", "model.topk_group=4", "model.moe_chunk_tokens=16384"]
+            "model.n_group=16", "model.topk_group=4", "execution.moe_chunk_tokens=16384"]
     direct = load_config(config_path("europa-952b.yaml"), sets)
     two = load_config(config_path("europa-952b.yaml"), sets + ["comm.expert_dispatch=two_stage"])
     gh = hardware.GH200_JUPITER

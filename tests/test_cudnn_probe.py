@@ -2,6 +2,7 @@
 in both passes) at MLA's head dims compiles for a GH200 without a GPU — the probe that says
 whether the document-aware library backward is reachable from jax on this stack."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from test_gpu_target import needs_toolchain
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cudnn_packed_attention.py")
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_cudnn_packed_attention_compiles_forward_and_backward_for_gh200():
     result = subprocess.run([sys.executable, SCRIPT, "--seq", "1024", "--heads", "2"],

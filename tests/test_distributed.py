@@ -181,6 +181,7 @@ def test_a_missing_process_ends_the_others_within_the_timeout():
     assert "DEADLINE_EXCEEDED" in done.stderr  # jax's own verdict, then it aborts
 
 
+@pytest.mark.slow
 def test_a_slurm_step_jax_cannot_read_is_a_one_line_error():
     # Without SLURM_STEP_NODELIST jax finds no coordinator: say so, do not hang or crash.
     env = process_env()

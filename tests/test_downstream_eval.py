@@ -256,10 +256,10 @@ def test_an_unknown_task_stops_train_before_the_run_directory(tmp_path):
     (["train.eval_tasks_every=-1"], "train.eval_tasks_every: -1 must be >= 0"),
     (["train.eval_tasks_limit=0"], "train.eval_tasks_limit: 0 must be positive"),
     (["train.eval_tasks_seq_len=96"], "train.eval_tasks_seq_len: 96 is not divisible by "
-                                      "model.attention_block_size=128"),
+                                      "execution.attention_block_size=128"),
     (["train.eval_tasks_seq_len=512"], "train.eval_tasks_seq_len: 512 > data.seq_len=256"),
-    (["model.attention_block_size=16", "model.moe_chunk_tokens=64",
-      "train.eval_tasks_seq_len=48"], "train.eval_tasks_seq_len: 48: model.moe_chunk_tokens=64 "
+    (["execution.attention_block_size=16", "execution.moe_chunk_tokens=64",
+      "train.eval_tasks_seq_len=48"], "train.eval_tasks_seq_len: 48: execution.moe_chunk_tokens=64 "
                                       "does not divide the 96 tokens each device evaluates"),
 ])
 def test_config_errors_name_the_key_and_value(sets, message):

@@ -138,8 +138,8 @@ def test_the_triton_grouped_matmul_without_jax_triton_is_a_one_line_config_error
         tiny_cfg, monkeypatch):
     real = kernels._importable
     monkeypatch.setattr(kernels, "_importable", lambda m: m != "jax_triton" and real(m))
-    cfg = dataclasses.replace(tiny_cfg.model, grouped_matmul="tokamax_triton")
-    with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: 'tokamax_triton' needs "
+    cfg = dataclasses.replace(tiny_cfg.execution, grouped_matmul="tokamax_triton")
+    with pytest.raises(ConfigError, match=r"^execution\.grouped_matmul: 'tokamax_triton' needs "
                                           r"jax_triton.*pip install") as err:
         kernels.grouped_matmul_impl(cfg, "gpu")
     assert "\n" not in str(err.value)

@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -25,25 +23,18 @@ from europa_jax.interop.export import export
 from europa_jax.model.transformer import Transformer
 from europa_jax.store import checkpoint
 from europa_jax.job import exit_codes
-from conftest import REPO, config_path, nested_params, rows_with_documents, saved_state, split_padding
+from conftest import (cli, config_path, nested_params, rows_with_documents, saved_state,
+                      split_padding, train_in_process)
 
 # tiny-cpu as shipped (YaRN, group-limited routing, shared expert), a few steps.
 TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0", "data.max_documents=40",
-         "model.remat=none"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+         "execution.remat=none"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    sets = [a for item in TRAIN for a in ("--set", item)]
-    result = cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(run_dir), *sets)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, load_config(config_path("tiny-cpu.yaml"), TRAIN)
+    return run_dir, train_in_process(run_dir, TRAIN)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +63,7 @@ def test_exported_model_matches_transformers_logits_per_document(trained, export
     assert not any(loading.values()), loading  # no missing, unexpected or mismatched keys
     model.eval()
     batch = rows_with_documents(cfg)
-    ours_BSV, _ = Transformer(cfg.model).apply(
+    ours_BSV, _ = Transformer(cfg.model, cfg.execution).apply(
         {"params": nested_params(state)}, batch["tokens"], batch["segment_ids"],
         batch["positions"], jnp.asarray(state["router_bias_LE"]))
     ours_BSV = np.asarray(ours_BSV)[..., :cfg.model.vocab_size]
@@ -92,6 +83,7 @@ def test_exported_model_matches_transformers_logits_per_document(trained, export
     assert worst <= 1e-4
 
 
+@pytest.mark.slow
 def test_import_of_export_is_exact(trained, exported_fp32, tmp_path):
     run_dir, cfg = trained
     imported = tmp_path / "imported"
@@ -119,11 +111,12 @@ def test_import_of_export_is_exact(trained, exported_fp32, tmp_path):
     assert "checkpoint_restored step=0" in result.stderr
 
 
+@pytest.mark.slow
 def test_padded_storage_imports_and_exports_the_same_weights(trained, exported_fp32, tmp_path):
-    """model.param_pad_multiple stores some weights zero-padded (sharding.storage_shape):
+    """execution.param_pad_multiple stores some weights zero-padded (sharding.storage_shape):
     an import pads them, an export drops the padding — the HF files are bitwise the same."""
     run_dir, cfg = trained
-    sets = [a for item in TRAIN + ["model.param_pad_multiple=3"] for a in ("--set", item)]
+    sets = [a for item in TRAIN + ["execution.param_pad_multiple=3"] for a in ("--set", item)]
     imported = tmp_path / "padded"
     result = cli("import", str(exported_fp32), "--config", config_path("tiny-cpu.yaml"), *sets,
                  "--out", str(imported))
@@ -181,6 +174,7 @@ def test_bf16_export_layout(trained, tmp_path):
     assert config["rope_scaling"]["type"] == "yarn" and config["rope_scaling"]["factor"] == 4.0
 
 
+@pytest.mark.slow
 def test_export_refuses_a_non_empty_target_and_a_corrupted_checkpoint(trained, tmp_path):
     run_dir, _ = trained
     out = tmp_path / "out"
@@ -258,6 +252,7 @@ def damage(hf, kind):
     return f"{path}: {EXTRA} is not a tensor of this config"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing_from_shard", "wrong_shape", "wrong_dtype",
                                   "narrower_than_declared", "unexpected"])
 def test_import_checks_every_tensor_against_its_file_in_one_line_each(exported_fp32, tmp_path,
@@ -275,6 +270,7 @@ def test_import_checks_every_tensor_against_its_file_in_one_line_each(exported_f
     assert not out.exists()  # nothing written, not even the run directory's lock
 
 
+@pytest.mark.slow
 def test_import_and_export_refuse_a_run_directory_in_use(trained, exported_fp32, tmp_path):
     from test_run_lock import start_holder
 

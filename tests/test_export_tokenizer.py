@@ -5,7 +5,6 @@ a tokenizer file that is gone or changed fails the export and leaves nothing."""
 import json
 import logging
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -17,13 +16,13 @@ from europa_jax.data.tokenizer import BYTE_EOS_ID, ByteTokenizer, HuggingFaceTok
 from europa_jax.interop.export import export
 from europa_jax.store import checkpoint
 from europa_jax.job import exit_codes
-from conftest import REPO, config_path
+from conftest import cli, train_in_process
 
 # tiny-cpu (YaRN, group-limited routing, shared expert) at conftest.tiny_cfg's dimensions
 TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
-        "model.dense_ffn_dim=64", "model.expert_ffn_dim=16", "model.attention_block_size=16",
-        "model.remat=none", "data.seq_len=64", "data.global_batch_size=8",
+        "model.dense_ffn_dim=64", "model.expert_ffn_dim=16", "execution.attention_block_size=16",
+        "execution.remat=none", "data.seq_len=64", "data.global_batch_size=8",
         "data.max_documents=40", "data.validation_fraction=0", "train.eval_every=0",
         "checkpoint.every_steps=0"]
 # enough steps that greedy continuations differ by prompt (at 20 steps every one is spaces)
@@ -34,15 +33,8 @@ SPECIALS = ["<|begin|>", "<|endoftext|>"]  # ids 0 and 1 of the test tokenizer
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-
-
 def train_run(run_dir, sets):
-    result = cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(run_dir),
-                 *[a for item in sets for a in ("--set", item)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(run_dir, sets)
 
 
 def cached(tmp_path_factory, name, build):
@@ -166,6 +158,7 @@ def test_tokenizer_json_export_matches_the_run_tokenizer(hf_run, tmp_path):
     assert model.generation_config.eos_token_id == eos
 
 
+@pytest.mark.slow
 def test_a_missing_or_changed_tokenizer_fails_the_export_and_writes_nothing(hf_run, tmp_path):
     run_dir, tok_path, _ = hf_run
     original = tok_path.read_bytes()

@@ -104,6 +104,7 @@ def test_the_plan_prices_the_fp8_dispatch_at_one_byte_and_a_scale_per_128():
     assert exchange.wire_bytes("fp8") == pytest.approx((1 + 4 / 128 + 6) / 4)
 
 
+@pytest.mark.slow
 def test_the_gh200_program_dispatches_in_e4m3_and_combines_in_bf16(tiny_cfg):
     """The ragged exchanges of the GH200 program (the smoke widths, 8 GPUs): one carries
     e4m3 rows (the forward's dispatch), with its float32 scales; the rest bf16."""

@@ -115,6 +115,7 @@ def test_bad_operands_are_refused_in_one_line():
                            jnp.zeros((2, 1, 1)), jnp.zeros(2, jnp.int32))
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_kernels_compile_for_gh200():
     g, k, n, blocks = 4, 512, 256, 8

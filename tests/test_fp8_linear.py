@@ -1,5 +1,5 @@
-"""The model's weight GEMMs in FP8 (model/fp8/fp8_linear.py, `model.fp8_gemms`,
-`model.fp8_expert_gemms`): the block mode is DeepSeek-V3's product (model/fp8/fp8_gemm.py)
+"""The model's weight GEMMs in FP8 (model/fp8/fp8_linear.py, `execution.fp8_gemms`,
+`execution.fp8_expert_gemms`): the block mode is DeepSeek-V3's product (model/fp8/fp8_gemm.py)
 forward and backward; the tensor mode's operands are e4m3/e5m2 values times a power of two,
 and the GH200 program runs them as cuBLASLt FP8 GEMMs; the model trains through both."""
 
@@ -154,20 +154,22 @@ def test_the_blocked_experts_forward_is_each_rows_fp8_product():
 
 
 def test_fp8_expert_gemms_need_the_blocked_kernel(tiny_cfg):
-    cfg = dataclasses.replace(tiny_cfg.model, grouped_matmul="ragged_dot",
-                              fp8_expert_gemms="block")
-    with pytest.raises(ConfigError, match="model.fp8_expert_gemms: 'block' runs with the "
+    cfg = tiny_cfg.model
+    ex = dataclasses.replace(tiny_cfg.execution, grouped_matmul="ragged_dot",
+                             fp8_expert_gemms="block")
+    with pytest.raises(ConfigError, match="execution.fp8_expert_gemms: 'block' runs with the "
                                           "`blocked` expert kernel only, not 'ragged_dot'"):
-        moe.local_experts(64, cfg, 4)
-    blocked = dataclasses.replace(cfg, grouped_matmul="blocked")
-    assert moe.local_experts(64, blocked, 4).fp8 == "block"
+        moe.local_experts(64, cfg, ex, 4)
+    blocked = dataclasses.replace(ex, grouped_matmul="blocked")
+    assert moe.local_experts(64, cfg, blocked, 4).fp8 == "block"
 
 
 def swiglu_gemm_targets(mode: str) -> list[str]:
     """The GEMM custom calls of a SwiGLU's forward and backward compiled for a GH200."""
-    widths = load_config(config_path("tiny-cpu.yaml")).model
-    cfg = dataclasses.replace(widths, compute_dtype="bfloat16", fp8_gemms=mode)
-    mlp = SwiGLU(cfg)
+    tiny = load_config(config_path("tiny-cpu.yaml"))
+    cfg = tiny.model
+    mlp = SwiGLU(cfg, dataclasses.replace(tiny.execution, compute_dtype="bfloat16",
+                                          fp8_gemms=mode))
     x = jax.ShapeDtypeStruct((2, 256, cfg.d_model), jnp.bfloat16)
     params = jax.eval_shape(mlp.init, jax.random.key(0), x)
 
@@ -180,6 +182,7 @@ def swiglu_gemm_targets(mode: str) -> list[str]:
             if "__cublas" in kernel_classes._target(line)]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_gh200_runs_the_tensor_mode_as_cublaslt_fp8_gemms():
     # two GEMMs forward (gate and up side by side, then down), two per GEMM backward: all

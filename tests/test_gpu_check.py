@@ -39,6 +39,7 @@ def require_toolchain():
         pytest.skip(f"gpu extra missing: {missing}")
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_run_writes_every_measurement(smoke_run):
     report, stdout = smoke_run
     assert report["smoke"] is True
@@ -82,6 +83,7 @@ def smoke_model():
     return gpu_programs.check_config(True, 256).model
 
 
+@pytest.mark.slow
 def test_a_gpu_check_json_calibrates_the_plan(smoke_run, tmp_path):
     """`gpu_check.py --cpu-smoke --json X`, then `europa-jax plan … --hardware X`: the
     measured classes replace the assumed ones in the estimate (the calibration path
@@ -108,6 +110,7 @@ def test_a_gpu_check_json_calibrates_the_plan(smoke_run, tmp_path):
     assert e["range"]["high"]["tokens_per_s_per_gpu"] < 1e5
 
 
+@pytest.mark.slow
 def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
     require_toolchain()
     report, stdout = smoke_run
@@ -148,6 +151,7 @@ def test_every_timed_function_compiles_for_a_gh200_first(smoke_run):
     assert lines[2].startswith("layer/fwd+bwd")
 
 
+@pytest.mark.slow
 def test_without_the_gpu_extra_the_compile_is_recorded_as_skipped(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)

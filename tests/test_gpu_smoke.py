@@ -26,6 +26,7 @@ def smoke(tmp_path_factory):
     return json.loads(out.read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_cpu_smoke_trains_both_parts_and_they_agree(smoke):
     report, stdout = smoke
     assert report["tiny"] is True and report["failures"] == [] and "PASS" in stdout

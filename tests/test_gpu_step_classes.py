@@ -41,6 +41,7 @@ def launching_instructions(text: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_every_fusion_and_library_call_is_in_exactly_one_class(step_text):
     found = kernel_classes.kernels(step_text)
@@ -59,6 +60,7 @@ def test_every_fusion_and_library_call_is_in_exactly_one_class(step_text):
     assert all(by_kind.values()), by_kind
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_host_copies_move_the_offloaded_state_and_activations_each_way(cfg, step_text):
     """What the offload moves over C2C per step: the optimizer state in and out, each
@@ -85,6 +87,7 @@ def vector_products(line: str) -> bool:
     return n_batch > 0 and rank == n_batch
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_programs_gemm_flops_are_the_dots_it_was_written_with(cfg):
     """Forward+backward alone (no conditionals): the cuBLAS calls of the optimized GPU
@@ -111,6 +114,7 @@ def test_the_programs_gemm_flops_are_the_dots_it_was_written_with(cfg):
     assert sum(w["runs"] for w in windows) % m.n_moe_layers == 0
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_programs_collectives_fall_in_the_phases_the_estimate_charges(cfg, step_text):
     """The tiny step on 2 nodes × 4: the MoE's and context parallelism's exchanges stay in
@@ -133,6 +137,7 @@ def test_the_programs_collectives_fall_in_the_phases_the_estimate_charges(cfg, s
         phases["drain"].values())
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_kernels_the_scheduler_puts_beside_an_exchange_cover_part_of_it(cfg, step_text):
     """Compiled with the run's latency-hiding scheduler, the tiny step has kernels between

@@ -20,7 +20,7 @@ from europa_jax.config_loader import load_config
 from europa_jax.parallel import offload, sharding
 from europa_jax.plan.program import gpu_program, gpu_target, hbm_traffic, hlo_report, kernel_classes
 from europa_jax.train import train
-from conftest import REPO, config_path
+from conftest import REPO, config_path, with_settings
 
 MISSING = gpu_target.missing_toolchain()
 if MISSING and os.environ.get("EUROPA_JAX_REQUIRE_GPU_COMPILE") == "1":
@@ -28,7 +28,7 @@ if MISSING and os.environ.get("EUROPA_JAX_REQUIRE_GPU_COMPILE") == "1":
 needs_toolchain = pytest.mark.skipif(bool(MISSING), reason=f"gpu extra missing: {MISSING}")
 
 
-def gpu_cfg(cfg, **model):
+def gpu_cfg(cfg, **changes):
     """The recipe's traffic and offload in bf16, as on GH200, with tiny-cpu's widths (the
     test-size ones are below what tokamax's Mosaic GPU kernel tiles: K=16 fails to lower)."""
     widths = load_config(config_path("tiny-cpu.yaml")).model
@@ -37,16 +37,14 @@ def gpu_cfg(cfg, **model):
     # 2 layers' inputs; 4 with 2 dense offload all 4)
     # 96 positions: no width of the model is 96 (a [96, 96] buffer can only be attention's),
     # and not a multiple of the 128 the Mosaic attention kernel tiles by (padded)
-    return dataclasses.replace(
+    return with_settings(dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, seq_len=96),
-        model=dataclasses.replace(widths, compute_dtype="bfloat16", n_layers=4,
-                                       n_dense_layers=2,
-                                       attention_block_size=cfg.model.attention_block_size,
-                                       **model),
+        model=dataclasses.replace(widths, n_layers=4, n_dense_layers=2),
+        execution=dataclasses.replace(cfg.execution, compute_dtype="bfloat16"),
         comm=dataclasses.replace(cfg.comm, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
                                  expert_exchange_dtype="bf16"),
         offload=dataclasses.replace(cfg.offload, optimizer_state=True,
-                                    activations="offload_layer_inputs"))
+                                    activations="offload_layer_inputs")), **changes)
 
 
 def without_offload(cfg):
@@ -76,6 +74,7 @@ def rows(numbers, mesh=None):
     return out
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_gpu_mesh_puts_each_expert_group_on_one_node(tiny_cfg):
     mesh = gpu_target.mesh(tiny_cfg.mesh, gpu_target.TARGETS["gh200"])
@@ -85,6 +84,7 @@ def test_gpu_mesh_puts_each_expert_group_on_one_node(tiny_cfg):
     assert "device_memory_size: 96000000000" in spec and "major: 9" in spec
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_moe_exchange_is_a_ragged_all_to_all_over_expert_only(gpu_step):
     found = rows(gpu_step["numbers"])
@@ -95,6 +95,7 @@ def test_the_moe_exchange_is_a_ragged_all_to_all_over_expert_only(gpu_step):
     assert not [k for k in found if k[0] == "all-to-all" and k[2] == "bf16"]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_fp8_weight_gathers_bf16_reductions_and_fp32_only_for_the_router(gpu_step):
     found, cfg = rows(gpu_step["numbers"]), gpu_step["cfg"]
@@ -108,6 +109,7 @@ def test_fp8_weight_gathers_bf16_reductions_and_fp32_only_for_the_router(gpu_ste
     assert scatters == {"bf16"}
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_offloaded_optimizer_state_lives_in_host_memory_and_is_moved(gpu_step):
     held = offload.state_bytes(gpu_step["state"])
@@ -121,6 +123,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_is_moved(gpu_step):
     assert facts["host_copies"] > 0  # the program copies it to and from HBM
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_offloaded_activations_are_host_temporaries_of_their_size(gpu_step):
     numbers = gpu_step["numbers"]
@@ -131,6 +134,7 @@ def test_offloaded_activations_are_host_temporaries_of_their_size(gpu_step):
     assert numbers["memory/host_temp"] == pytest.approx(layer_inputs, rel=0.05)
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
     facts, cfg = gpu_step["facts"], gpu_step["cfg"]
@@ -144,6 +148,7 @@ def test_grouped_matmul_is_a_kernel_without_a_dense_expert_expansion(gpu_step):
     assert checks["host offload"]["ok"]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_step):
     facts, cfg = gpu_step["facts"], gpu_step["cfg"]
@@ -157,6 +162,7 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
     assert checks["attention"]["ok"] and checks["attention"]["configured"] == "tokamax"
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_buffer(tiny_cfg):
     """Context parallelism on GH200: the node's rows go through tokamax's flash kernels
@@ -174,6 +180,7 @@ def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_b
     assert ("all-to-all", "expert", "bf16") in rows(step["numbers"])
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_a_two_stage_dispatch_over_two_nodes_compiles_to_ragged_exchanges_per_stage(tiny_cfg):
     """Expert parallelism 8 over 2 GH200 nodes, two-stage: the token rows cross between the
@@ -207,10 +214,10 @@ def optimized_text(cfg) -> str:
         return gpu_target.compile_lowered(lowered, mesh).as_text()
 
 
-def long_rows(tiny_cfg, **model):
+def long_rows(tiny_cfg, **changes):
     """384 positions in 128-position backward chunks: three chunk pairs per key chunk at
     most, so the pairwise loop is in the program."""
-    cfg = without_offload(gpu_cfg(tiny_cfg, attention_backward_chunk=128, **model))
+    cfg = without_offload(gpu_cfg(tiny_cfg, attention_backward_chunk=128, **changes))
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=384))
 
 
@@ -234,6 +241,7 @@ def flash_vjp_calls(text: str):
             and (kernel_classes.library_kernel(line) or ("",))[0] == "attention_backward"]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_attention_backward_runs_chunk_pairs_with_the_document_bounds(long_text):
     """Each pair's backward kernel gets its queries' key starts (the document bounds) as
@@ -248,6 +256,7 @@ def test_the_attention_backward_runs_chunk_pairs_with_the_document_bounds(long_t
         assert any(dims.split(",")[-1] == "128" for dims in shapes), line[:300]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_over_the_node_each_row_runs_its_own_chunk_pairs(tiny_cfg):
     """Context parallelism hands each GPU the node's 4 rows: the backward's pair kernels
@@ -264,6 +273,7 @@ def test_over_the_node_each_row_runs_its_own_chunk_pairs(tiny_cfg):
     assert gpu_program.dense_attention_buffers(text, cfg) == []
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
         tiny_cfg, long_text):
@@ -297,6 +307,7 @@ def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
     assert chunked / m.n_moe_layers > 1.5 * once
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_cfg, gpu_step):
     """model.mtp_layers=1 compiles for GH200 and passes the kernel checks of the main
@@ -329,6 +340,7 @@ def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_
     assert facts["dense_expert_buffers"] == [] and facts["dense_attention_buffers"] == []
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
     """The check can fail: tokamax's XLA path builds the [S, S] document mask."""
@@ -341,6 +353,7 @@ def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
     assert not checks["attention"]["ok"]
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
     """The check can fail: jax.lax.ragged_dot compiles to every row times every expert."""
@@ -433,6 +446,7 @@ def test_plan_command_reports_the_gpu_program_as_json():
     assert "expected slowest rank" in e["basis"]
 
 
+@pytest.mark.slow
 def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(gpu_target, "_importable", lambda module: False)
     monkeypatch.setattr(gpu_target.shutil, "which", lambda name: None)
@@ -442,17 +456,20 @@ def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, c
     assert "pip install -e '.[gpu]'" in err and "jax-cuda12-plugin" in err
 
 
+@pytest.mark.slow
 def test_probes_are_refused_for_a_gpu_target(capsys):
     code = cli.main(["plan", config_path("tiny-cpu.yaml"), "--devices", "8",
                      "--probe-moe-layers", "4,6"])
     assert code == 2 and "only for --target cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_gpu_topology_needs_whole_nodes():
     with pytest.raises(ConfigError, match="multiple of 4"):
         gpu_target.topology(gpu_target.TARGETS["gh200"], 6)
 
 
+@pytest.mark.slow
 def test_the_plan_compiles_with_exactly_the_launch_env_s_xla_flags():
     """launch/env.sh's XLA_FLAGS and the plan's compiler options are the same options with
     the same values: the plan prices the program a rank runs (the schedule's options

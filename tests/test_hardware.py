@@ -61,6 +61,7 @@ def test_a_bad_calibration_is_refused_in_one_line(tmp_path, content, message):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_bad_hardware_file_before_compiling(tmp_path, capsys):
     path = tmp_path / "missing.json"
     code = cli.main(["plan", config_path("tiny-cpu.yaml"), "--devices", "8", "--target", "cpu",

@@ -66,7 +66,7 @@ def test_dot_flops_apply_trip_counts_in_lowered_and_optimized_hlo():
     assert hlo_report.dot_flops(lowered.compile().as_text()) == expected
 
 
-# A loop as the GH200 program of `model.row_loop` has it: no known_trip_count, its
+# A loop as the GH200 program of `execution.row_loop` has it: no known_trip_count, its
 # `i < 59` fused into the condition (`@BOUND@` a constant, or a loop value: data).
 FUSED_CONDITION = """
 %fused_compare (p: s32[]) -> pred[] {

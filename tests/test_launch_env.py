@@ -2,6 +2,7 @@
 that this jaxlib accepts every XLA flag (XLA aborts a process on an unknown one), and the
 script's own one-line errors."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def sourced(**preset: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
 
 
+@pytest.mark.slow
 def test_the_recipe_settings_are_exported():
     env = sourced()
     assert env["NCCL_MAX_CTAS"] == "16"
@@ -38,6 +40,7 @@ def test_the_recipe_settings_are_exported():
     assert "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true" in flags
 
 
+@pytest.mark.slow
 def test_values_already_set_win_and_the_callers_xla_flags_come_last():
     env = sourced(NCCL_MAX_CTAS="8", XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false",
                   XLA_PYTHON_CLIENT_MEM_FRACTION="0.8")
@@ -49,6 +52,7 @@ def test_values_already_set_win_and_the_callers_xla_flags_come_last():
     assert "XLA_CLIENT_MEM_FRACTION" not in env
 
 
+@pytest.mark.slow
 def test_this_jaxlib_knows_every_xla_flag():
     # The GPU flags are parsed by every jaxlib build; an unknown one ends the process (F-log).
     env = {**sourced(), "JAX_PLATFORMS": "cpu"}
@@ -66,11 +70,13 @@ def sbatch_run(*args: str, **env: str | None) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_sbatch_without_a_config_prints_its_usage():
     done = sbatch_run()
     assert done.returncode == 2 and done.stderr.startswith("usage: sbatch"), done.stderr
 
 
+@pytest.mark.slow
 def test_sbatch_names_a_missing_config_and_a_missing_venv_in_one_line():
     done = sbatch_run("configs/no-such.yaml")
     assert done.returncode == 2, done.stderr
@@ -82,6 +88,7 @@ def test_sbatch_names_a_missing_config_and_a_missing_venv_in_one_line():
         "jupiter.sbatch: EUROPA_VENV: /nonexistent-venv is not a virtualenv (no bin/activate)"]
 
 
+@pytest.mark.slow
 def test_sbatch_run_outside_slurm_says_to_submit_it():
     done = sbatch_run("configs/tiny-cpu.yaml", SLURM_JOB_ID=None)
     assert done.returncode == 2

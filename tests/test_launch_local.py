@@ -49,6 +49,7 @@ def wait_for_logs(tmp_path, n, text, timeout=60):
     raise TimeoutError(f"not every rank logged {text!r}")
 
 
+@pytest.mark.slow
 def test_each_rank_gets_its_id_one_coordinator_and_the_arguments(tmp_path):
     proc = launch(tmp_path, 3, "--set", "train.steps=2")
     wait_for_logs(tmp_path, 3, "args")
@@ -61,6 +62,7 @@ def test_each_rank_gets_its_id_one_coordinator_and_the_arguments(tmp_path):
     assert lines[0][7:] == ["train", config_path("tiny-cpu.yaml"), "--set", "train.steps=2"]
 
 
+@pytest.mark.slow
 def test_when_one_rank_dies_the_others_are_killed_after_the_grace_period(tmp_path):
     start = time.time()
     proc = launch(tmp_path, 2, env={"STAND_IN_FAIL": "1", "EUROPA_RANK_EXIT_WAIT_S": "2"})
@@ -70,6 +72,7 @@ def test_when_one_rank_dies_the_others_are_killed_after_the_grace_period(tmp_pat
     assert "rank 1 exited with 3" in err and "rank 0 exited with 137" in err
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_one_line_errors(tmp_path):
     for args, message in [(["two", "x.yaml"], "local.sh: N: 'two' is not a positive integer"),
                           (["2", "missing.yaml"], "local.sh: CONFIG: missing.yaml: no such file")]:
@@ -77,6 +80,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
 
 
+@pytest.mark.slow
 def test_a_mesh_the_processes_cannot_share_is_one_line_per_rank(tmp_path):
     proc = launch(tmp_path, 2, "--set", "mesh.data=3", "--set", "mesh.expert=1",
                   "--set", "data.global_batch_size=24", stand_in=False)
@@ -92,10 +96,10 @@ def test_a_mesh_the_processes_cannot_share_is_one_line_per_rank(tmp_path):
 def test_two_cpu_processes_train_one_model(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(tmp_path, 2, "--run-dir", str(run_dir), "--set", "train.steps=2",
-                  "--set", "model.d_model=32", "--set", "model.remat=none",
+                  "--set", "model.d_model=32", "--set", "execution.remat=none",
                   "--set", "data.max_documents=40", "--set", "data.global_batch_size=8",
                   "--set", "train.eval_every=0",
-                  "--set", "data.seq_len=64", "--set", "model.attention_block_size=64",
+                  "--set", "data.seq_len=64", "--set", "execution.attention_block_size=64",
                   stand_in=False)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]

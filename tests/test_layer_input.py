@@ -1,4 +1,4 @@
-"""`model.layer_input_format: e4m3` (model/layer_input.py): each layer's branches read an
+"""`execution.layer_input_format: e4m3` (model/layer_input.py): each layer's branches read an
 e4m3 copy of its input in 1×128 tiles, and the backward keeps that copy — half the bytes of
 the layer inputs offloaded to host memory — while the residual stream stays exact."""
 
@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_trees_close
+
 from europa_jax.model import layer_input
 from europa_jax.parallel import fp8_rows, sharding
 from europa_jax.run import loop
@@ -20,8 +22,8 @@ from test_microbatches import gradients_of
 from test_offload import step_jaxpr, with_offload
 
 
-def with_model(cfg, **kw):
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **kw))
+def with_execution(cfg, **kw):
+    return dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, **kw))
 
 
 def computed(cfg):
@@ -54,7 +56,7 @@ def exact_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def e4m3_cfg(exact_cfg):
-    return with_model(exact_cfg, layer_input_format="e4m3")
+    return with_execution(exact_cfg, layer_input_format="e4m3")
 
 
 def saved_residuals(cfg) -> list[str]:
@@ -115,7 +117,7 @@ def test_the_offloaded_layer_inputs_are_e4m3_tiles_and_their_scales(exact_cfg, e
 
 
 def test_the_row_loop_reads_the_same_e4m3_copy(e4m3_cfg):
-    """2 rows per device on 4 devices: one at a time through each layer (`model.row_loop`,
+    """2 rows per device on 4 devices: one at a time through each layer (`execution.row_loop`,
     which rounds the rows' inputs once outside its loop) or together, the same loss and
     gradients."""
     from test_rows_per_device import ROWS, trainer_on, with_layout, with_row_loop
@@ -129,7 +131,4 @@ def test_the_row_loop_reads_the_same_e4m3_copy(e4m3_cfg):
         results.append(gradients_of(trainer, state, batch))
     ((loss_together, _), grads_together), ((loss_loop, _), grads_loop) = results
     np.testing.assert_allclose(loss_loop, loss_together, rtol=1e-6)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_together)[0],
-                            jax.tree.leaves(grads_loop), strict=True):
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads_loop, grads_together, rtol=2e-5, atol=1e-7)

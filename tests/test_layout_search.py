@@ -17,8 +17,8 @@ def test_the_default_grid_widens_the_expert_axis_over_whole_nodes():
 
     grid = search.default_grid(load_config(cfg_path), 384)
     assert grid == {"mesh.expert": ["4", "8", "16", "32", "64"],
-                    "model.moe_chunk_tokens": ["0", "16384"]}
-    found = {(l.varied["mesh.expert"], l.varied["model.moe_chunk_tokens"]): l
+                    "execution.moe_chunk_tokens": ["0", "16384"]}
+    found = {(l.varied["mesh.expert"], l.varied["execution.moe_chunk_tokens"]): l
              for l in search.layouts(cfg_path, [], 384, grid)}
     assert len(found) == 10 and not any(l.error for l in found.values())
     inside = found["4", "0"]
@@ -29,6 +29,7 @@ def test_the_default_grid_widens_the_expert_axis_over_whole_nodes():
     assert found["8", "0"].derived["model.topk_group"] == "1"  # 1 of 2 nodes
 
 
+@pytest.mark.slow
 def test_routing_named_by_the_user_is_kept_and_a_refused_layout_says_why():
     cfg_path = config_path("europa-952b.yaml")
     [kept] = search.layouts(cfg_path, ["model.n_group=8", "model.topk_group=4"], 384,
@@ -46,11 +47,12 @@ def test_routing_named_by_the_user_is_kept_and_a_refused_layout_says_why():
         "europa-jax: error: --jobs 0: expected a whole number of layouts ≥ 1")
 
 
+@pytest.mark.slow
 def test_a_search_prints_one_row_per_layout_and_the_fastest_that_fits():
     sets = [a for k, v in TEST_SIZE.items() for a in ("--set", f"{k}={v}")]
     result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--target", "cpu", "--json",
                       "--search", "--vary", "mesh.expert=4,8,3", "--vary",
-                      "model.moe_chunk_tokens=0", "--jobs", "2", *sets, timeout=1500)
+                      "execution.moe_chunk_tokens=0", "--jobs", "2", *sets, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     # planned two at a time, listed in the grid's order

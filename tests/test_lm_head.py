@@ -73,9 +73,9 @@ def test_chunks_bound_the_logits_memory_of_forward_and_backward():
 
 
 def test_a_chunk_that_does_not_divide_the_sequence_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"model.loss_chunk_tokens: 48 does not divide "
+    with pytest.raises(ConfigError, match=r"execution.loss_chunk_tokens: 48 does not divide "
                                           r"data.seq_len=256"):
-        load_config(config_path("tiny-cpu.yaml"), ["model.loss_chunk_tokens=48"])
+        load_config(config_path("tiny-cpu.yaml"), ["execution.loss_chunk_tokens=48"])
 
 
 def test_training_loss_and_gradients_do_not_depend_on_the_chunk(tiny_cfg):
@@ -85,7 +85,7 @@ def test_training_loss_and_gradients_do_not_depend_on_the_chunk(tiny_cfg):
     results = []
     for chunk in (0, 16):
         cfg = dataclasses.replace(
-            tiny_cfg, model=dataclasses.replace(tiny_cfg.model, loss_chunk_tokens=chunk))
+            tiny_cfg, execution=dataclasses.replace(tiny_cfg.execution, loss_chunk_tokens=chunk))
         trainer = train.build_trainer(cfg, mesh)
         state = train.init_state(trainer, seed=0)
         placed = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}

@@ -17,7 +17,7 @@ from europa_jax.store import checkpoint
 from europa_jax.job import exit_codes
 from europa_jax.run import loop
 from europa_jax.train import train
-from conftest import config_path
+from conftest import assert_trees_close, config_path
 from test_checkpoint import (assert_same_run, cli_env, metrics, run_cli, start_cli,  # noqa: F401
                              wait_for_step)
 
@@ -59,10 +59,7 @@ def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, m):
     (loss_1, stats_1), grads_1 = gradients_of(*steps[1])
     (loss_m, stats_m), grads_m = gradients_of(*steps[m])
     np.testing.assert_allclose(loss_m, loss_1, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0],
-                            jax.tree.leaves(grads_m), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads_m, grads_1, rtol=1e-5, atol=1e-7)
     # counts are integers summed over the pieces: exactly the whole batch's
     for key in ("expert_counts_E", "routed_copies", "processed_copies", "dispatches"):
         factor = m if key == "dispatches" else 1  # a dispatch per piece

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from europa_jax.config import ExecutionConfig
 from europa_jax.model import kernels
 from europa_jax.model.experts.expert_matmul import compute_local_experts, grouped_swiglu
 from europa_jax.model.experts import moe_dispatch
@@ -83,10 +84,11 @@ def test_moe_equals_dense_reference(moe_cfg, impl):
     is compiled for a GH200 in test_gpu_target.py)."""
     if impl == "tokamax" and not kernels.tokamax_available():
         pytest.skip("tokamax (the gpu extra) is not installed")
-    cfg = dataclasses.replace(moe_cfg, compute_dtype="float32", grouped_matmul=impl)
+    cfg = moe_cfg
+    ex = ExecutionConfig(compute_dtype="float32", grouped_matmul=impl)
     x = jax.random.normal(jax.random.key(3), (2, 32, cfg.d_model))
     bias = jax.random.normal(jax.random.key(4), (16,)) * 0.01
-    moe = MoE(cfg)
+    moe = MoE(cfg, ex)
     params = jax.tree.map(lambda p: p * 10, moe.init(jax.random.key(5), x, bias)["params"])
     params = jax.tree.map(lambda b: b.unbox() if hasattr(b, "unbox") else b, params,
                           is_leaf=lambda b: hasattr(b, "unbox"))
@@ -151,11 +153,12 @@ def test_exchange_capacity_from_the_expected_destinations(moe_cfg, n_group, topk
     # 16 experts top-4 on 4 devices: uniform k-of-E, or whole-device groups
     cfg = dataclasses.replace(moe_cfg, n_group=n_group, topk_group=topk_group)
     assert moe_dispatch.expected_destinations(cfg, 4) == pytest.approx(expected)
-    capacity, drops = moe_dispatch.exchange_capacity(64, cfg, 4)
-    assert capacity == min(64, int(np.ceil(cfg.moe_buffer_factor * 64 * expected / 4)))
-    assert not drops and moe_dispatch.exchange_capacity(64, cfg, 1) == (64, False)
+    ex = ExecutionConfig()
+    capacity, drops = moe_dispatch.exchange_capacity(64, cfg, ex, 4)
+    assert capacity == min(64, int(np.ceil(ex.moe_buffer_factor * 64 * expected / 4)))
+    assert not drops and moe_dispatch.exchange_capacity(64, cfg, ex, 1) == (64, False)
     assert moe_dispatch.exchange_capacity(
-        64, dataclasses.replace(cfg, moe_capacity_factor=0.5), 4) == (32, True)
+        64, dataclasses.replace(cfg, moe_capacity_factor=0.5), ex, 4) == (32, True)
 
 
 def test_compute_local_experts_ignores_rows_without_local_experts():
@@ -201,10 +204,11 @@ def test_blocked_backward_keeps_no_weight_copy_per_block():
 def test_chunked_moe_equals_one_dispatch(moe_cfg, chunk):
     """moe_chunk_tokens: same outputs, gradients and counts as dispatching every token at
     once, whatever the chunk."""
-    cfg = dataclasses.replace(moe_cfg, compute_dtype="float32", grouped_matmul="blocked")
+    cfg = moe_cfg
+    ex = ExecutionConfig(compute_dtype="float32", grouped_matmul="blocked")
     x = jax.random.normal(jax.random.key(3), (2, 32, cfg.d_model))
     bias = jax.random.normal(jax.random.key(4), (16,)) * 0.01
-    whole, chunked = MoE(cfg), MoE(dataclasses.replace(cfg, moe_chunk_tokens=chunk))
+    whole, chunked = MoE(cfg, ex), MoE(cfg, dataclasses.replace(ex, moe_chunk_tokens=chunk))
     params = nn.unbox(whole.init(jax.random.key(5), x, bias)["params"])
     params = jax.tree.map(lambda p: p * 10, params)
     (y, stats), (y_c, stats_c) = (m.apply({"params": params}, x, bias) for m in (whole, chunked))

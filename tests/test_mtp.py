@@ -4,8 +4,6 @@ export as DeepSeek-V3's layer `n_layers` and the import back, counts and config 
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +23,12 @@ from europa_jax.model import flops
 from europa_jax.model.transformer import init_router_bias, Transformer
 from europa_jax.parallel import sharding
 from europa_jax.train import objective, qk_clip, train
-from conftest import (config_path, first_batch_and_initial_state, nested_params,
-                      objective_gradients, REPO, rows_with_documents, saved_state)
+from conftest import (cli, config_path, first_batch_and_initial_state, nested_params,
+                      objective_gradients, rows_with_documents, saved_state)
 
 # tiny-cpu as shipped with one MTP module, a few steps (test_export.py's run otherwise).
 TRAIN = ["train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
-         "data.max_documents=40", "model.remat=none", "model.mtp_layers=1"]
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+         "data.max_documents=40", "execution.remat=none", "model.mtp_layers=1"]
 
 
 def sets(items):
@@ -122,11 +115,12 @@ def reference_mtp_loss(hf_dir, cfg, batch) -> float:
     return total / count
 
 
+@pytest.mark.slow
 def test_the_mtp_loss_equals_the_papers_formula_on_the_same_weights(trained, exported):
     run_dir, cfg, _ = trained
     state = saved_state(run_dir)
     batch = rows_with_documents(cfg)
-    _, stats = objective.loss_and_stats(Transformer(cfg.model), nested_params(state),
+    _, stats = objective.loss_and_stats(Transformer(cfg.model, cfg.execution), nested_params(state),
                                         jnp.asarray(state["router_bias_LE"]),
                                         {k: jnp.asarray(v) for k, v in batch.items()})
     expected = reference_mtp_loss(exported, cfg, batch)
@@ -135,6 +129,7 @@ def test_the_mtp_loss_equals_the_papers_formula_on_the_same_weights(trained, exp
     np.testing.assert_allclose(float(stats["mtp_loss"]), expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_logs_the_mtp_loss_beside_the_lm_loss(trained):
     _, _, metrics = trained
     steps = [r for r in metrics if "mtp_loss" in r]
@@ -142,6 +137,7 @@ def test_a_run_logs_the_mtp_loss_beside_the_lm_loss(trained):
     assert all(np.isfinite(r["mtp_loss"]) and 3.0 < r["mtp_loss"] < 7.0 for r in steps)
 
 
+@pytest.mark.slow
 def test_the_export_is_deepseek_v3_s_layout_and_imports_back_bitwise(trained, exported, tmp_path):
     run_dir, cfg, _ = trained
     m = cfg.model
@@ -178,6 +174,7 @@ def test_the_export_is_deepseek_v3_s_layout_and_imports_back_bitwise(trained, ex
         np.testing.assert_array_equal(b, a, err_msg=key)
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_main_model_and_leaves_the_module(trained, exported):
     """transformers' DeepseekV3 has no MTP module: it loads the rest and lists the module's
     tensors as unexpected; its logits are our main model's."""
@@ -190,15 +187,16 @@ def test_transformers_loads_the_main_model_and_leaves_the_module(trained, export
     assert all(k.startswith(f"model.layers.{m.n_layers}.") for k in loading["unexpected_keys"])
     state = saved_state(run_dir)
     tokens = rows_with_documents(cfg)["tokens"][:1, :64]
-    ours, _ = Transformer(m).apply({"params": nested_params(state)}, tokens,
-                                   np.ones_like(tokens), np.arange(64)[None],
-                                   jnp.asarray(state["router_bias_LE"]))
+    ours, _ = Transformer(m, cfg.execution).apply({"params": nested_params(state)}, tokens,
+                                                  np.ones_like(tokens), np.arange(64)[None],
+                                                  jnp.asarray(state["router_bias_LE"]))
     with torch.no_grad():
         theirs = model(torch.tensor(tokens.astype(np.int64))).logits[0].numpy()
     ours = np.asarray(ours)[0, :, :m.vocab_size]
     assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) <= 1e-4
 
 
+@pytest.mark.slow
 def test_an_import_leaves_out_modules_the_config_lacks_and_refuses_missing_ones(
         trained, exported, tmp_path):
     run_dir, cfg, _ = trained
@@ -273,8 +271,8 @@ def test_a_step_balances_and_clips_the_module_s_block_too(batch_and_state):
     cfg, batch, state = batch_and_state
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, qk_clip_threshold=1e-3))
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
-    assert qk_clip.layer_stacks(cfg.model)[-1] == ("mtp_layers", slice(cfg.model.n_layers,
-                                                                       cfg.model.n_layers + 1))
+    assert qk_clip.layer_stacks(cfg.model, cfg.execution.scan_layers)[-1] == (
+        "mtp_layers", slice(cfg.model.n_layers, cfg.model.n_layers + 1))
     before = jax.device_get(state)
     with jax.set_mesh(trainer.mesh):
         new, metrics = jax.device_get(train.jit_train_step(trainer)(
@@ -289,19 +287,20 @@ def test_a_step_balances_and_clips_the_module_s_block_too(batch_and_state):
 
 
 def test_scanned_equals_unrolled_and_module_k_sees_no_token_past_its_target(tiny_cfg):
-    cfg = dataclasses.replace(tiny_cfg.model, remat="none", mtp_layers=2)
+    cfg = dataclasses.replace(tiny_cfg.model, mtp_layers=2)
+    ex = dataclasses.replace(tiny_cfg.execution, remat="none")
     b, s = 2, 32
     tokens = jax.random.randint(jax.random.key(0), (b, s), 0, cfg.vocab_size)
     seg = jnp.ones((b, s), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     bias = jax.random.normal(jax.random.key(1), (cfg.n_moe_layers + 2, cfg.n_routed_experts))
-    params = Transformer(cfg).init(jax.random.key(0), tokens, seg, pos, init_router_bias(cfg))[
-        "params"]
+    params = Transformer(cfg, ex).init(jax.random.key(0), tokens, seg, pos,
+                                       init_router_bias(cfg))["params"]
     assert params["mtp_layers"]["eh_proj"].shape == (2, 2 * cfg.d_model, cfg.d_model)
 
-    def mtp_nll(model_cfg, p, tokens):
-        _, stats = Transformer(model_cfg).apply({"params": p}, tokens, seg, pos, bias * 0.01,
-                                                jnp.roll(tokens, -1, axis=1))
+    def mtp_nll(ex, p, tokens):
+        _, stats = Transformer(cfg, ex).apply({"params": p}, tokens, seg, pos, bias * 0.01,
+                                              jnp.roll(tokens, -1, axis=1))
         return np.asarray(stats["mtp_nll_KBS"])
 
     unrolled = {k: v for k, v in params.items() if not k.endswith("_layers")}
@@ -309,15 +308,15 @@ def test_scanned_equals_unrolled_and_module_k_sees_no_token_past_its_target(tiny
                      ("mtp_layers", 2)):
         for i in range(n):
             unrolled[f"{stack}_{i}"] = jax.tree.map(lambda x: x[i], params[stack])
-    scanned = mtp_nll(cfg, params, tokens)
+    scanned = mtp_nll(ex, params, tokens)
     assert scanned.shape == (2, b, s)
-    np.testing.assert_allclose(mtp_nll(dataclasses.replace(cfg, scan_layers=False), unrolled,
+    np.testing.assert_allclose(mtp_nll(dataclasses.replace(ex, scan_layers=False), unrolled,
                                        tokens), scanned, rtol=1e-5, atol=1e-5)
     # change the tokens from position q on: module k's losses at positions i + k + 1 < q
     # (its inputs up to t_{i+k}, its target t_{i+k+1}) stay; the one whose target moved not
     q = 20
     changed = tokens.at[:, q:].set((tokens[:, q:] + 1) % cfg.vocab_size)
-    after = mtp_nll(cfg, params, changed)
+    after = mtp_nll(ex, params, changed)
     for k in (1, 2):
         np.testing.assert_allclose(after[k - 1, :, :q - k - 1], scanned[k - 1, :, :q - k - 1],
                                    rtol=1e-6, atol=1e-6)

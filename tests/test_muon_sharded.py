@@ -68,7 +68,8 @@ def test_spread_muon_equals_optax_muon_on_the_model(tiny_cfg, trajectory, data, 
     over both mesh axes, dense stacks padded with zero matrices) against optax unsharded."""
     cfg, params, grads, reference_updates, reference_params = trajectory
     mesh = sharding.make_mesh(MeshConfig(data=data, expert=expert))
-    specs = layout.for_mesh(tiny_cfg.model, sharding.mesh_shape_of(mesh)).specs(
+    specs = layout.for_mesh(tiny_cfg.model, sharding.mesh_shape_of(mesh),
+                            pad_multiple=tiny_cfg.execution.param_pad_multiple).specs(
         train.abstract_params(tiny_cfg))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     spread = optim.build_optimizer(cfg, 10, mesh, specs)
@@ -146,6 +147,7 @@ def ns_update(mesh, spec, shape, dtype: str, grads=None):
         return text, jax.device_get(step(grads, tx.init(p), p)["moe"]["w_up"])
 
 
+@pytest.mark.slow
 def test_newton_schulz_in_bfloat16_stays_close_to_float32():
     """`optim.muon_ns_dtype: bfloat16` (the reference Muon's): float32 momentum in, float32
     update out, pointing where the float32 one does. Newton–Schulz's quintic does not
@@ -166,6 +168,7 @@ def test_newton_schulz_in_bfloat16_stays_close_to_float32():
     assert 0 < error < 0.1 and cosine > 0.99, (error, cosine)
 
 
+@pytest.mark.slow
 @needs_toolchain
 def test_newton_schulz_in_bfloat16_moves_half_the_re_layouts_bytes_on_a_gpu():
     """Compiled for 8 GH200s (XLA:CPU widens bf16 buffers, a GPU does not): the

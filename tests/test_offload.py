@@ -69,8 +69,8 @@ def test_each_activation_preset_changes_the_program_as_named(tiny_cfg):
     host-memory values in the program jax hands to XLA (XLA:CPU's lowering drops the
     memory-space moves of remat offload, so they are checked one level up)."""
     def cfg_for(preset, remat="full"):
-        cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model,
-                                                                      remat=remat))
+        cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(tiny_cfg.execution,
+                                                                          remat=remat))
         return with_offload(cfg, activations=preset)
 
     dots = lambda preset, **kw: len(re.findall(r" dot\(", lowered_hlo(cfg_for(preset, **kw))))
@@ -79,13 +79,13 @@ def test_each_activation_preset_changes_the_program_as_named(tiny_cfg):
     full = dots("full_remat")
     assert full > dots("none", remat="none")  # the forward runs again in backward
     assert dots("save_dots") < full  # matmul outputs kept, not recomputed
-    assert dots("none") == full  # `none` defers to model.remat (full here)
+    assert dots("none") == full  # `none` defers to execution.remat (full here)
     assert host_values("full_remat") == 0
     assert 0 < host_values("offload_layer_inputs") < host_values("offload_attention_moe")
 
 
 def test_the_config_knows_which_presets_keep_the_layer_input():
-    """config.py refuses `model.layer_input_format: e4m3` under a preset that keeps no
+    """config.py refuses `execution.layer_input_format: e4m3` under a preset that keeps no
     layer input; its list must be this module's."""
     from europa_jax.config import PRESETS_KEEPING_LAYER_INPUT
     assert sorted(PRESETS_KEEPING_LAYER_INPUT) == sorted(

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from europa_jax import param_table
-from europa_jax.config import ModelConfig
-from europa_jax.config_loader import load_config
+from europa_jax.config import ExecutionConfig, ModelConfig
+from europa_jax.config_loader import MOVED, load_config
 from europa_jax.model.layers import weight
 from europa_jax.parallel import comm, layout, sharding
 from europa_jax.store import checkpoint
@@ -25,7 +25,7 @@ MTP = ["model.mtp_layers=2"]  # two multi-token prediction modules (model/mtp.py
 
 @pytest.mark.parametrize("name,overrides", [(name, []) for name in CONFIGS]
                          + [("tiny-cpu.yaml", MTP), ("kimi-k2.yaml", MTP),
-                            ("tiny-cpu.yaml", MTP + ["model.scan_layers=false"])])
+                            ("tiny-cpu.yaml", MTP + ["execution.scan_layers=false"])])
 def test_every_parameter_of_the_model_has_its_row_and_the_row_its_shape(name, overrides):
     """The model's own tree (eval_shape of its init) against the table: each leaf's row,
     stacked over exactly the layers its `where` says (the MTP modules' blocks hold the
@@ -33,7 +33,7 @@ def test_every_parameter_of_the_model_has_its_row_and_the_row_its_shape(name, ov
     with parameters that the model does not create."""
     cfg = load_config(config_path(name), overrides)
     m = cfg.model
-    unsharded = layout.for_mesh(m)
+    unsharded = layout.for_mesh(m, pad_multiple=cfg.execution.param_pad_multiple)
     seen = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(train.abstract_params(cfg))[0]:
         stack, role = param_table.split_path(path)
@@ -72,7 +72,8 @@ def test_the_router_is_the_only_float32_on_disk_and_it_is_float32_everywhere(tin
     # the entry cast of a low-precision step keeps it (and the norms) float32
     tree = {"moe_layers": {"moe": {"w_router": jnp.zeros(2), "w_gate": jnp.zeros(2)},
                            "mlp_norm": {"scale": jnp.zeros(2)}}}
-    ctx = comm.SpmdContext(layout=layout.for_mesh(tiny_cfg.model), comm=dataclasses.replace(
+    ctx = comm.SpmdContext(layout=layout.for_mesh(tiny_cfg.model, pad_multiple=1),
+                           comm=dataclasses.replace(
         tiny_cfg.comm, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
         expert_exchange="dense"))
     cast = comm.cast_for_entry(tree, ctx)
@@ -87,6 +88,7 @@ class WithExtraWeight(nn.Module):
 
     ROLE = "moe"
     cfg: ModelConfig
+    ex: ExecutionConfig
 
     @nn.compact
     def __call__(self, x_BD):
@@ -100,7 +102,8 @@ def tiny_model(tiny_cfg):
 
 def test_an_undeclared_weight_is_an_error_when_the_model_is_traced(tiny_model):
     with pytest.raises(KeyError, match="'moe.w_extra' is not declared in europa_jax/param_table"):
-        WithExtraWeight(tiny_model).init(jax.random.key(0), jnp.ones((2, tiny_model.d_model)))
+        WithExtraWeight(tiny_model, ExecutionConfig()).init(jax.random.key(0),
+                                                            jnp.ones((2, tiny_model.d_model)))
 
 
 def test_one_row_gives_a_new_weight_its_layout_optimizer_and_precision(tiny_model, monkeypatch):
@@ -112,7 +115,7 @@ def test_one_row_gives_a_new_weight_its_layout_optimizer_and_precision(tiny_mode
     monkeypatch.setitem(param_table.ROWS, "moe.w_extra", row)
     layout._for_mesh.cache_clear()  # layouts are cached per model and mesh
     try:
-        params = WithExtraWeight(tiny_model).init(
+        params = WithExtraWeight(tiny_model, ExecutionConfig()).init(
             jax.random.key(0), jnp.ones((2, tiny_model.d_model)))["params"]
         d = tiny_model.d_model
         assert params["w_extra"].shape == (d, 2 * d)
@@ -120,7 +123,8 @@ def test_one_row_gives_a_new_weight_its_layout_optimizer_and_precision(tiny_mode
         assert optim.labels(tree)["moe_layers"]["moe"]["w_extra"] == "muon"
         dims = optim.muon_dimension_numbers(tree)["moe_layers"]["moe"]["w_extra"]
         assert dims.reduction_axis == (0,) and dims.output_axis == (1,)
-        on_mesh = layout.for_mesh(tiny_model, {"data": 2, "expert": 4})["moe.w_extra"]
+        on_mesh = layout.for_mesh(tiny_model, {"data": 2, "expert": 4},
+                                  pad_multiple=1)["moe.w_extra"]
         assert on_mesh.spec == sharding.resolve_spec(("embed", "mlp"), (d, 2 * d),
                                                      {"data": 2, "expert": 4})
         assert on_mesh.gather and on_mesh.local_shape != on_mesh.stored_shape
@@ -129,7 +133,7 @@ def test_one_row_gives_a_new_weight_its_layout_optimizer_and_precision(tiny_mode
 
 
 def test_layout_of_a_stacked_leaf_must_match_its_row(tiny_model):
-    on_mesh = layout.for_mesh(tiny_model, {"data": 2, "expert": 4})
+    on_mesh = layout.for_mesh(tiny_model, {"data": 2, "expert": 4}, pad_multiple=1)
     bad = {"moe_layers": {"moe": {"w_router": jax.ShapeDtypeStruct((3, 5, 7), jnp.float32)}}}
     with pytest.raises(ValueError, match=r"moe_layers.moe.w_router has shape \(3, 5, 7\)"):
         on_mesh.specs(bad)
@@ -144,7 +148,10 @@ def test_the_train_state_keeps_the_layout_older_checkpoints_were_saved_in(name):
     state, router bias, step) as the code before the parameter table wrote them
     (tests/data/train_state_layout.json): what Orbax needs to restore those checkpoints."""
     expected = json.load(open(STATE_LAYOUT))[name]
-    cfg = load_config(config_path("tiny-cpu.yaml"), expected["set"])
+    # its settings as that code named them (`model.scan_layers`), under their keys of now
+    sets = [MOVED.get(key, key) + "=" + value
+            for key, value in (item.split("=", 1) for item in expected["set"])]
+    cfg = load_config(config_path("tiny-cpu.yaml"), sets)
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg.mesh))
     got = {checkpoint.leaf_key(path): [str(leaf.dtype), list(leaf.shape)] for path, leaf in
            jax.tree_util.tree_flatten_with_path(trainer.abstract_state)[0]}

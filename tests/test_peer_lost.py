@@ -144,6 +144,7 @@ def join_two(run_dir, *sleeps):
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_peer_killed_while_the_survivor_waits_outside_a_collective_ends_it_with_75(
         tmp_path, killed):
@@ -160,6 +161,7 @@ def test_a_peer_killed_while_the_survivor_waits_outside_a_collective_ends_it_wit
     assert event["event"] == "peer_lost" and event["lost"] == [killed], event
 
 
+@pytest.mark.slow
 def test_a_process_that_finishes_first_is_not_reported_by_the_one_still_working(tmp_path):
     procs = join_two(tmp_path, 0, 15)  # process 1 works 15 s past the watch's 10 s limit
     errs = [proc.communicate(timeout=120)[1] for proc in procs]
@@ -167,6 +169,7 @@ def test_a_process_that_finishes_first_is_not_reported_by_the_one_still_working(
     assert not (tmp_path / "events.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_an_abort_of_its_own_while_the_service_answers_is_still_an_abort(tmp_path):
     procs = join_two(tmp_path, 60, "abort")
     errs = [proc.communicate(timeout=90)[1] for proc in procs]

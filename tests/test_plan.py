@@ -6,8 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -17,19 +15,17 @@ from europa_jax.plan.price import hardware
 from europa_jax.plan import plan
 from europa_jax.plan.program import step_compile
 from europa_jax.train import train
-from conftest import REPO, config_path
+from conftest import REPO, cli, config_path
 
 # conftest's test-size tiny model as command-line overrides (the plan runs in its own process)
 TEST_SIZE = {"model.d_model": 32, "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
              "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
              "model.dense_ffn_dim": 64, "model.expert_ffn_dim": 16,
-             "model.attention_block_size": 16, "data.seq_len": 64, "data.global_batch_size": 8}
+             "execution.attention_block_size": 16, "data.seq_len": 64, "data.global_batch_size": 8}
 
 
 def run_plan(*args, timeout=900):
-    env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", "plan", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return cli("plan", *args, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
 
 
 def plan_json(config, overrides, *extra):
@@ -147,6 +143,7 @@ def test_compile_only_flags_replace_a_forced_device_count():
     assert "--xla_backend_optimization_level=0" in flags
 
 
+@pytest.mark.slow
 def test_devices_that_do_not_match_the_mesh_are_a_one_line_error():
     result = run_plan(config_path("europa-952b.yaml"), "--devices", "8", timeout=120)
     assert result.returncode == 2
@@ -154,6 +151,7 @@ def test_devices_that_do_not_match_the_mesh_are_a_one_line_error():
     assert "--devices 8 does not match mesh data×expert = 96×4 = 384" in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_probe_depths_are_a_one_line_error():
     result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--probe-moe-layers", "3",
                       timeout=120)
@@ -161,6 +159,7 @@ def test_bad_probe_depths_are_a_one_line_error():
     assert "--probe-moe-layers '3'" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_corpus_that_is_not_one_is_a_one_line_error(tmp_path):
     result = run_plan(config_path("tiny-cpu.yaml"), "--devices", "8", "--corpus",
                       str(tmp_path), timeout=120)

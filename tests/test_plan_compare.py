@@ -15,11 +15,11 @@ from europa_jax.plan.program import gpu_program
 def test_the_recipe_layout_is_fsdp_with_experts_in_a_node_and_no_context_parallelism(tiny_cfg):
     cfg = dataclasses.replace(
         tiny_cfg, mesh=MeshConfig(data=1, expert=8, allow_cross_node_experts=True),
-        model=dataclasses.replace(tiny_cfg.model, attention_context_parallel=True),
+        execution=dataclasses.replace(tiny_cfg.execution, attention_context_parallel=True),
         comm=dataclasses.replace(tiny_cfg.comm, weight_gather_dtype="bf16"))
     recipe = compare.recipe_layout(cfg)
     assert (recipe.mesh.data, recipe.mesh.expert) == (2, 4)  # 4 = a node
-    assert not recipe.model.attention_context_parallel
+    assert not recipe.execution.attention_context_parallel
     assert recipe.comm.weight_gather_dtype == "fp8" and recipe.comm.grad_reduce_dtype == "bf16"
     assert recipe.model.n_routed_experts == cfg.model.n_routed_experts  # the model unchanged
 
@@ -37,12 +37,12 @@ def test_both_layouts_are_planned_on_both_document_models_and_the_ratio_printed(
     calls = []
 
     def plan_one(cfg, *, documents_model, corpus, block_skipping):
-        calls.append((cfg.model.attention_context_parallel, documents_model, corpus,
+        calls.append((cfg.execution.attention_context_parallel, documents_model, corpus,
                       block_skipping))
         return report(1000.0 if not block_skipping else 800.0)
 
-    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
-        tiny_cfg.model, attention_context_parallel=True))
+    cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(
+        tiny_cfg.execution, attention_context_parallel=True))
     result = compare.compare(cfg, plan_one)
     assert calls == [(True, "dolma", None, False), (True, "long-tail", None, False),
                      (False, "dolma", None, True), (False, "long-tail", None, True)]
@@ -56,12 +56,13 @@ def test_both_layouts_are_planned_on_both_document_models_and_the_ratio_printed(
     assert [c[1:3] for c in calls[:2]] == [("dolma", "corpus_dir"), ("long-tail", None)]
 
 
+@pytest.mark.slow
 def test_block_skipping_runs_the_backward_at_the_forwards_tile_pairs(tiny_cfg):
     """The recipe's attention skips masked blocks in both passes: its backward pairs are
     the forward's, below our chunk pairs, and its backward runs no pair loop."""
     cfg = dataclasses.replace(
         tiny_cfg, mesh=MeshConfig(data=4, expert=4),
-        model=dataclasses.replace(tiny_cfg.model, attention_backward_chunk=128),
+        execution=dataclasses.replace(tiny_cfg.execution, attention_backward_chunk=128),
         data=dataclasses.replace(tiny_cfg.data, global_batch_size=32, seq_len=1024))
     lengths = documents.long_tail_lengths(20000, seed=3) // 2 + 1
     ours = attention_cost.slowest_pairs(cfg, lengths, batches=4, context_parallel=False)

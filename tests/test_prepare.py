@@ -3,8 +3,6 @@
 import gzip
 import json
 import re
-import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 
 from europa_jax.data import prepare, tokenizer
 from europa_jax.data.corpus import DataError, TokenCorpus
-from conftest import REPO
+from conftest import cli
 from test_tokenizer import make_tokenizer_json
 
 BYTES = tokenizer.ByteTokenizer()
@@ -134,24 +132,20 @@ def check_bad_input(tmp_path, setup, message):
     assert sorted(p.name for p in src.iterdir()) == before
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-
-
+@pytest.mark.slow
 def test_cli_prepare_and_its_errors(tmp_path, inputs):
     out = tmp_path / "out"
-    result = run_cli("prepare", "--input", str(inputs[0]), "--out", str(out))
+    result = cli("prepare", "--input", str(inputs[0]), "--out", str(out))
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["documents"] == 5 and summary["tokens"] == 23
     assert summary["tokenizer"]["kind"] == "bytes"
     before = (out / "manifest.json").read_bytes()
-    again = run_cli("prepare", "--input", str(inputs[0]), "--out", str(out))
+    again = cli("prepare", "--input", str(inputs[0]), "--out", str(out))
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert f"{out}: already exists" in again.stderr
     assert (out / "manifest.json").read_bytes() == before
-    bad = run_cli("prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o2"))
+    bad = cli("prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o2"))
     assert bad.returncode == 2
     assert bad.stderr == f"europa-jax: error: --input {tmp_path}/nope: no such file or directory\n"
 

@@ -10,7 +10,8 @@ import pytest
 
 from europa_jax.data import prepare, readers, tokenizer
 from europa_jax.data.corpus import DataError, Manifest, TokenCorpus
-from test_prepare import check_bad_input, documents, nothing_left, run_cli
+from conftest import cli
+from test_prepare import check_bad_input, documents, nothing_left
 from test_tokenizer import make_tokenizer_json
 
 zstd = pytest.importorskip("zstandard")
@@ -268,15 +269,16 @@ def test_utf8_bom_and_crlf_lines(tmp_path):
     assert documents(tmp_path / "out")[0] == [b"bom", b"crlf"]
 
 
+@pytest.mark.slow
 def test_cli_reads_the_formats_and_names_a_bad_file(tmp_path):
     write_parquet(tmp_path / "x.parquet", ["p0", "p1", "p2"])
     write_zst(tmp_path / "y.jsonl.zst", lines({"text": "z"}))
-    result = run_cli("prepare", "--input", str(tmp_path / "x.parquet"),
+    result = cli("prepare", "--input", str(tmp_path / "x.parquet"),
                      str(tmp_path / "y.jsonl.zst"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["documents"] == 4
     (tmp_path / "z.csv").write_text("a,b\n")
-    bad = run_cli("prepare", "--input", str(tmp_path / "z.csv"), "--out", str(tmp_path / "o2"))
+    bad = cli("prepare", "--input", str(tmp_path / "z.csv"), "--out", str(tmp_path / "o2"))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert bad.stderr.startswith(f"europa-jax: error: {tmp_path}/z.csv: unsupported file type")
     assert not (tmp_path / "o2").exists()

@@ -94,56 +94,57 @@ def model_inputs(cfg, b=2):
 def unrolled(tiny_cfg):
     """An unrolled tiny model (each layer its own module, so its attention's input can be
     captured) with larger weights than at init, so that γ is far from 1."""
-    cfg = dataclasses.replace(tiny_cfg.model, scan_layers=False, remat="none", init_std=0.2)
+    cfg = dataclasses.replace(tiny_cfg.model, init_std=0.2)
+    ex = dataclasses.replace(tiny_cfg.execution, scan_layers=False, remat="none")
     tokens, seg, pos = model_inputs(cfg)
-    params = nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, seg, pos,
-                                            init_router_bias(cfg))["params"])
-    return cfg, params, (tokens, seg, pos)
+    params = nn.unbox(Transformer(cfg, ex).init(jax.random.key(0), tokens, seg, pos,
+                                                init_router_bias(cfg))["params"])
+    return cfg, ex, params, (tokens, seg, pos)
 
 
-def attention_inputs(cfg, params, inputs):
+def attention_inputs(cfg, ex, params, inputs):
     """Each layer's attention input in the model's forward: {layer key: x_BSD}."""
     tokens, seg, pos = inputs
-    _, state = Transformer(cfg).apply(
+    _, state = Transformer(cfg, ex).apply(
         {"params": params}, tokens, seg, pos, init_router_bias(cfg), capture_intermediates=(
             lambda module, method: module.name == "attention_norm"), mutable=["intermediates"])
     return {key: state["intermediates"][key]["attention_norm"]["__call__"][0]
-            for key, _ in qk_clip.layer_stacks(cfg)}
+            for key, _ in qk_clip.layer_stacks(cfg, ex.scan_layers)}
 
 
-def per_layer_logit_max(cfg, params, xs, inputs):
+def per_layer_logit_max(cfg, ex, params, xs, inputs):
     """[L, H]: each layer's attention (weights from `params`) applied to `xs`."""
     _, seg, pos = inputs
     cos, sin = rope_tables(pos, cfg)
-    return jnp.stack([MLAttention(cfg, report_logit_max=True).apply(
+    return jnp.stack([MLAttention(cfg, ex, report_logit_max=True).apply(
         {"params": params[key]["attention"]}, xs[key], seg, cos, sin)[1]
-        for key, _ in qk_clip.layer_stacks(cfg)])
+        for key, _ in qk_clip.layer_stacks(cfg, ex.scan_layers)])
 
 
 def test_clipped_heads_reach_tau_exactly_and_the_others_stay_bit_identical(unrolled):
-    cfg, params, inputs = unrolled
+    cfg, ex, params, inputs = unrolled
     tokens, seg, pos = inputs
-    _, stats = Transformer(cfg).apply({"params": params}, tokens, seg, pos,
-                                      init_router_bias(cfg))
+    _, stats = Transformer(cfg, ex).apply({"params": params}, tokens, seg, pos,
+                                          init_router_bias(cfg))
     before_LH = stats["attention_logit_max_LH"]
     assert before_LH.shape == (cfg.n_layers, cfg.n_heads)
-    xs = attention_inputs(cfg, params, inputs)
-    np.testing.assert_allclose(per_layer_logit_max(cfg, params, xs, inputs), before_LH,
+    xs = attention_inputs(cfg, ex, params, inputs)
+    np.testing.assert_allclose(per_layer_logit_max(cfg, ex, params, xs, inputs), before_LH,
                                rtol=1e-6)
     tau = float(np.median(before_LH))
-    clipped, n_clipped = qk_clip.clip(params, before_LH, tau, cfg)
+    clipped, n_clipped = qk_clip.clip(params, before_LH, tau, cfg, scanned=False)
     over_LH = np.asarray(before_LH > tau)
     assert int(n_clipped) == over_LH.sum() > 0 and not over_LH.all()
     assert float(before_LH.max()) > 1.5 * tau  # γ well below 1 somewhere
 
     # the same layer inputs, the clipped weights: a clipped head's max is γ·S_max = τ
-    after_LH = np.asarray(per_layer_logit_max(cfg, clipped, xs, inputs))
-    before_LH = np.asarray(per_layer_logit_max(cfg, params, xs, inputs))
+    after_LH = np.asarray(per_layer_logit_max(cfg, ex, clipped, xs, inputs))
+    before_LH = np.asarray(per_layer_logit_max(cfg, ex, params, xs, inputs))
     np.testing.assert_allclose(after_LH[over_LH], tau, rtol=1e-5)
     np.testing.assert_array_equal(after_LH[~over_LH], before_LH[~over_LH])
 
     n = cfg.qk_nope_head_dim
-    for key, layer in qk_clip.layer_stacks(cfg):
+    for key, layer in qk_clip.layer_stacks(cfg, scanned=False):
         old, new = params[key]["attention"], clipped[key]["attention"]
         np.testing.assert_array_equal(new["w_kv_a"], old["w_kv_a"])  # the shared RoPE key
         np.testing.assert_array_equal(new["w_kv_b"][..., n:], old["w_kv_b"][..., n:])  # values
@@ -162,15 +163,14 @@ def test_clipped_heads_reach_tau_exactly_and_the_others_stay_bit_identical(unrol
 
 
 def test_scanned_stacks_are_clipped_as_their_unrolled_layers(unrolled):
-    cfg, params, inputs = unrolled
+    cfg, _, params, inputs = unrolled
     scanned = {key: value for key, value in params.items() if not key[-1].isdigit()}
     for stack, n in (("dense_layers", cfg.n_dense_layers), ("moe_layers", cfg.n_moe_layers)):
         scanned[stack] = jax.tree.map(lambda *xs: jnp.stack(xs),
                                       *[params[f"{stack}_{i}"] for i in range(n)])
     logit_max_LH = jax.random.uniform(jax.random.key(1), (cfg.n_layers, cfg.n_heads)) * 2
-    clipped_scan, count_scan = qk_clip.clip(
-        scanned, logit_max_LH, 1.0, dataclasses.replace(cfg, scan_layers=True))
-    clipped_loop, count_loop = qk_clip.clip(params, logit_max_LH, 1.0, cfg)
+    clipped_scan, count_scan = qk_clip.clip(scanned, logit_max_LH, 1.0, cfg, scanned=True)
+    clipped_loop, count_loop = qk_clip.clip(params, logit_max_LH, 1.0, cfg, scanned=False)
     assert int(count_scan) == int(count_loop) == int((logit_max_LH > 1.0).sum())
     for stack, n in (("dense_layers", cfg.n_dense_layers), ("moe_layers", cfg.n_moe_layers)):
         for i in range(n):
@@ -211,7 +211,8 @@ def clip_on_mesh(cfg, data, expert):
     logit_max_LH = jax.random.uniform(jax.random.key(2), (cfg.model.n_layers,
                                                           cfg.model.n_heads)) * 2
     fn = lambda params, replicated=None: qk_clip.clip(params, logit_max_LH, 1.0, cfg.model,
-                                                      replicated)
+                                                      replicated,
+                                                      scanned=cfg.execution.scan_layers)
     with jax.set_mesh(mesh):  # as in the step: the factors pinned replicated
         sharded, _ = jax.jit(lambda p: fn(p, NamedSharding(mesh, P())),
                              out_shardings=(trainer.state_shardings.params, None))(state.params)
@@ -221,8 +222,8 @@ def clip_on_mesh(cfg, data, expert):
 
 def test_the_clip_commutes_with_resharding(tiny_cfg):
     """Stored padded (param_pad_multiple 3: w_kv_b has no dimension divisible by 3)."""
-    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model,
-                                                                  param_pad_multiple=3))
+    cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(tiny_cfg.execution,
+                                                                      param_pad_multiple=3))
     results = {}
     for data, expert in ((1, 8), (2, 4), (8, 1)):
         sharded, host, before = clip_on_mesh(cfg, data, expert)
@@ -361,6 +362,7 @@ def compiled_gpu_step(cfg):
     return compiled.as_text(), compiled.memory_analysis(), mesh
 
 
+@pytest.mark.slow
 def test_on_the_gpu_kernels_the_clip_compiles_with_the_same_collectives_and_memory(tiny_cfg):
     """tokamax's Mosaic GPU flash attention called with return_residuals=True compiles,
     forward and VJP, in the GPU program; the clip adds no collective and no memory. Its

@@ -254,10 +254,10 @@ def test_the_timeline_chains_phases_and_numbers_tries(tmp_path):
 
 # ----------------------------------------------------------------------------- two processes
 
-TINY_TWO = ["--set", "model.d_model=32", "--set", "model.remat=none",
+TINY_TWO = ["--set", "model.d_model=32", "--set", "execution.remat=none",
             "--set", "data.max_documents=40", "--set", "data.global_batch_size=8",
             "--set", "train.eval_every=0", "--set", "train.log_every=1",
-            "--set", "data.seq_len=64", "--set", "model.attention_block_size=64",
+            "--set", "data.seq_len=64", "--set", "execution.attention_block_size=64",
             "--set", "checkpoint.every_steps=0"]
 
 

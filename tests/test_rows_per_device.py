@@ -1,7 +1,7 @@
 """k rows per device in one step (`data.global_batch_size` = k × devices): every weight is
 gathered once per layer for all k rows, so gathered bytes per token fall k-fold, and the
 step computes what k = 1 on k times the devices computes at the same global batch — the
-rows through each layer together, or one at a time (`model.row_loop`, model/row_loop.py).
+rows through each layer together, or one at a time (`execution.row_loop`, model/row_loop.py).
 
 (The tiny default runs 2 rows per device; its resume is bitwise in tests/test_checkpoint.py.
 `train.microbatches` is the other trade: pieces of a device's rows, a gather per piece,
@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+
+from conftest import assert_trees_close
 
 from europa_jax.parallel import sharding
 from europa_jax.plan.program import hlo_report
@@ -35,13 +37,13 @@ def trainer_on(cfg, n_devices: int):
 
 
 def with_row_loop(cfg, on: bool):
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, row_loop=on))
+    return dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, row_loop=on))
 
 
 @pytest.fixture(scope="module")
 def one_and_two_rows(tiny_cfg):
     """The same 8 rows and initial weights on 8 devices (1 row each) and on 4 (2 each),
-    the 2 rows together or one at a time through each layer (`model.row_loop`)."""
+    the 2 rows together or one at a time through each layer (`execution.row_loop`)."""
     trainers = {"one": trainer_on(with_layout(tiny_cfg, 2, ROWS), 8),
                 "two": trainer_on(with_layout(tiny_cfg, 1, ROWS), 4),
                 "two, row loop": trainer_on(with_row_loop(with_layout(tiny_cfg, 1, ROWS), True),
@@ -61,10 +63,7 @@ def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(
     (loss_1, stats_1), grads_1 = gradients_of(*one_and_two_rows["one"])
     (loss_2, stats_2), grads_2 = gradients_of(*one_and_two_rows[two])
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_1)[0],
-                            jax.tree.leaves(grads_2), strict=True):
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(grads_2, grads_1, rtol=2e-5, atol=1e-7)
     # the routing is the same decision per token, whichever device holds the row
     for key in ("expert_counts_E", "routed_copies", "processed_copies"):
         np.testing.assert_array_equal(stats_2[key], stats_1[key], err_msg=key)
@@ -155,8 +154,8 @@ def test_the_row_loop_gives_each_trip_the_node_s_rows_under_context_parallelism(
     segment ids and positions come gathered in device order): the same loss and
     gradients as the rows taken together. Every row gets its own document boundary, so
     that a trip given another row's segments would attend differently."""
-    cp = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
-        tiny_cfg.model, attention_context_parallel=True))
+    cp = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(
+        tiny_cfg.execution, attention_context_parallel=True))
     host_batch = dict(next(iter(loop.host_batch_iterator(with_layout(cp, 1, ROWS)))))
     seq = host_batch["tokens"].shape[1]
     at_S = np.arange(seq)

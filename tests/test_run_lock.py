@@ -40,6 +40,7 @@ def holder(tmp_path):
     proc.wait()
 
 
+@pytest.mark.slow
 def test_a_held_directory_is_refused_naming_its_holder(holder):
     directory, proc = holder
     who = f"`europa-jax train` on {socket.gethostname()}, pid {proc.pid}, Slurm job 4242"
@@ -50,6 +51,7 @@ def test_a_held_directory_is_refused_naming_its_holder(holder):
     assert str(proc.pid) in (directory / run_lock.LOCK_FILE).read_text()  # untouched
 
 
+@pytest.mark.slow
 def test_a_killed_holder_leaves_the_file_but_no_lock(holder):
     directory, proc = holder
     proc.send_signal(signal.SIGKILL)  # no handler runs: the kernel drops the lock

@@ -34,7 +34,9 @@ def test_the_layout_is_the_rules_applied_to_each_stored_parameter(name):
     """layout.py resolves each role once per mesh; for every leaf, stacked or not, that is
     what the rules give its logical names and stored shape."""
     cfg = load_config(config_path(name))
-    specs = layout.for_mesh(cfg.model, MESH_96x4).specs(abstract_params(cfg))
+    specs = layout.for_mesh(cfg.model, MESH_96x4,
+                            pad_multiple=cfg.execution.param_pad_multiple).specs(
+        abstract_params(cfg))
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     for (path, leaf), spec in zip(boxed_leaves(cfg), flat_specs):
         assert spec == sharding.resolve_spec(leaf.names, leaf.value.shape, MESH_96x4), path
@@ -103,8 +105,8 @@ def test_padded_storage_trains_exactly_like_unpadded(tiny_cfg):
 
     from conftest import split_padding, train_for
 
-    padded_cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(
-        tiny_cfg.model, param_pad_multiple=3))
+    padded_cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(
+        tiny_cfg.execution, param_pad_multiple=3))
     state, losses = train_for(tiny_cfg, 3)
     padded_state, padded_losses = train_for(padded_cfg, 3)
     np.testing.assert_allclose(padded_losses, losses, rtol=1e-5)

@@ -29,7 +29,7 @@ STEPS = 16
 # step save, so the resumed run can only start from the preemption's checkpoint.
 TRAIN = [f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every_steps=0",
          "model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-         "model.remat=none", "data.seq_len=64", "model.attention_block_size=64",
+         "execution.remat=none", "data.seq_len=64", "execution.attention_block_size=64",
          "data.max_documents=40", "data.global_batch_size=8", "train.eval_every=0"]
 # CPU stand-ins for the script's GH200 defaults, given the way a user overrides them.
 CPU_JOB = ["--partition=ci", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
@@ -95,6 +95,7 @@ def show(tmp_path, job) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.slow
 def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, tmp_path):
     run_dir = tmp_path / "run"
     job = submit(slurm, job_env, tmp_path)
@@ -141,6 +142,7 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
     assert list((run_dir / "compile_cache").glob("jit_train_step-*"))
 
 
+@pytest.mark.slow
 def test_killing_one_rank_ends_the_job_non_zero_within_120_s(slurm, job_env, tmp_path):
     job = submit(slurm, job_env, tmp_path)
     wait_for_step(slurm, job, tmp_path, 1)

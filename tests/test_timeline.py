@@ -2,6 +2,7 @@
 when the kernel made the process: a shell execs the last command of `install && train`
 in its own process, whose kernel start time is before the install."""
 
+import pytest
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ print(time.time() - timeline.process_start_time(), time.time() - kernel_start)
 """
 
 
+@pytest.mark.slow
 def test_a_try_starts_with_europa_jax_not_with_the_shell_that_execs_it(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)

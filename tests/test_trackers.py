@@ -24,7 +24,7 @@ from europa_jax.records import trackers
 from europa_jax.job.preemption import Preempted
 
 SMALL = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-         "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
+         "data.seq_len=64", "execution.attention_block_size=64", "execution.remat=none",
          "data.max_documents=60", "data.global_batch_size=8", "train.log_every=1",
          "checkpoint.every_steps=2", "data.validation_fraction=0.2", "train.eval_every=2",
          "train.eval_batches=2"]
@@ -324,6 +324,7 @@ def test_a_missing_wandb_package_is_refused_by_every_process(monkeypatch, primar
     trackers.check_trackers(("tensorboard",), primary=primary)  # not needed: no error
 
 
+@pytest.mark.slow
 def test_a_missing_wandb_package_is_one_line_exit_2_before_the_run_dir(tmp_path):
     # its own process: the CLI sets the CPU device count, which a test worker whose JAX
     # backend has already started would refuse

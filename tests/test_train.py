@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,7 @@ from europa_jax.config import MeshConfig
 from europa_jax.parallel import sharding
 from europa_jax.run import loop
 from europa_jax.train import train
-from conftest import REPO, config_path, train_for
+from conftest import assert_trees_close, cli, config_path, train_for
 
 
 def fixed_batch(cfg):
@@ -38,7 +36,8 @@ def loss_and_grads_on(cfg, mesh_cfg, devices):
 
 @pytest.fixture(scope="module")
 def single_device_reference(tiny_cfg):
-    cfg = dataclasses.replace(tiny_cfg, model=dataclasses.replace(tiny_cfg.model, remat="none"))
+    cfg = dataclasses.replace(tiny_cfg, execution=dataclasses.replace(tiny_cfg.execution,
+                                                                      remat="none"))
     return cfg, loss_and_grads_on(cfg, MeshConfig(data=1, expert=1), jax.devices()[:1])
 
 
@@ -48,9 +47,7 @@ def test_same_loss_and_gradients_on_every_mesh_layout(single_device_reference, d
     cfg, (loss1, grads1) = single_device_reference
     loss, grads = loss_and_grads_on(cfg, MeshConfig(data=data, expert=expert), jax.devices())
     np.testing.assert_allclose(loss, loss1, rtol=1e-5)
-    reference = dict(jax.tree_util.tree_flatten_with_path(grads1)[0])
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        np.testing.assert_allclose(g, reference[path], rtol=2e-3, atol=2e-6, err_msg=str(path))
+    assert_trees_close(grads, grads1, rtol=2e-3, atol=2e-6)
 
 
 @pytest.mark.slow
@@ -99,14 +96,9 @@ def test_train_state_is_sharded_as_the_rules_say(tiny_cfg):
     assert local == (w_up.shape[0], w_up.shape[1] // 4, w_up.shape[2] // 2, w_up.shape[3])
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "europa_jax.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_cli_train_writes_metrics_jsonl(tmp_path):
-    result = run_cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path),
+    result = cli("train", config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path),
                      "--set", "train.steps=3", "--set", "train.log_every=1",
                      "--set", "model.d_model=32", "--set", "data.seq_len=128")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -120,8 +112,9 @@ def test_cli_train_writes_metrics_jsonl(tmp_path):
     assert "step 3/3" in result.stderr  # log lines when not on a terminal
 
 
+@pytest.mark.slow
 def test_cli_count_europa_matches_the_recipe():
-    result = run_cli("count", config_path("europa-952b.yaml"))
+    result = cli("count", config_path("europa-952b.yaml"))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert abs(report["total_params"] / 951.9e9 - 1) < 0.005
@@ -129,8 +122,9 @@ def test_cli_count_europa_matches_the_recipe():
     assert report["muon_fraction"] >= 0.99
 
 
+@pytest.mark.slow
 def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
-    result = run_cli("train", config_path("tiny-cpu.yaml"), "--set", "model.top_k=99")
+    result = cli("train", config_path("tiny-cpu.yaml"), "--set", "model.top_k=99")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "model.top_k: 99 > model.n_routed_experts=16" in result.stderr

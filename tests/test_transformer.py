@@ -22,8 +22,8 @@ def inputs(cfg, b=2, s=32, seed=0):
 
 @pytest.fixture(scope="module")
 def model_and_params(tiny_cfg):
-    cfg = dataclasses.replace(tiny_cfg.model, remat="none")
-    model = Transformer(cfg)
+    cfg = tiny_cfg.model
+    model = Transformer(cfg, dataclasses.replace(tiny_cfg.execution, remat="none"))
     tokens, seg, pos = inputs(cfg)
     params = nn.unbox(model.init(jax.random.key(0), tokens, seg, pos,
                                  init_router_bias(cfg))["params"])
@@ -45,14 +45,14 @@ def test_scanned_equals_unrolled(model_and_params):
     cfg, model, params = model_and_params
     tokens, seg, pos = inputs(cfg)
     bias = jax.random.normal(jax.random.key(1), (cfg.n_moe_layers, cfg.n_routed_experts)) * 0.01
-    unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
+    unrolled_ex = dataclasses.replace(model.ex, scan_layers=False)
     unrolled = {k: v for k, v in params.items() if not k.endswith("_layers")}
     for stack, n in (("dense_layers", cfg.n_dense_layers), ("moe_layers", cfg.n_moe_layers)):
         for i in range(n):
             unrolled[f"{stack}_{i}"] = jax.tree.map(lambda x: x[i], params[stack])
     out_scan, stats_scan = model.apply({"params": params}, tokens, seg, pos, bias)
-    out_loop, stats_loop = Transformer(unrolled_cfg).apply({"params": unrolled}, tokens, seg,
-                                                           pos, bias)
+    out_loop, stats_loop = Transformer(cfg, unrolled_ex).apply({"params": unrolled}, tokens,
+                                                               seg, pos, bias)
     np.testing.assert_allclose(out_loop, out_scan, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(stats_loop["expert_counts_E"], stats_scan["expert_counts_E"])
 

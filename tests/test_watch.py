@@ -15,7 +15,7 @@ from europa_jax.config_loader import load_config
 from europa_jax.data import sources as data_sources
 
 SMALL = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-         "data.seq_len=64", "model.attention_block_size=64", "model.remat=none",
+         "data.seq_len=64", "execution.attention_block_size=64", "execution.remat=none",
          "data.max_documents=60", "data.global_batch_size=8", "train.steps=4",
          "train.log_every=1", "checkpoint.every_steps=2", "data.validation_fraction=0.2",
          "train.eval_every=2", "train.eval_batches=2", "train.profile_steps=[2,3]"]
@@ -141,6 +141,7 @@ def test_report_of_the_run(watched_run, tmp_path):
     assert "restarts: 1" in done.stdout and "best val loss:" in done.stdout
 
 
+@pytest.mark.slow
 def test_report_of_a_missing_run_is_a_one_line_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "europa_jax.cli", "report",
                            str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True)
@@ -198,6 +199,7 @@ def test_bad_watch_settings_are_one_line_errors(overrides, message):
         load_config(config_path("tiny-cpu.yaml"), overrides)
 
 
+@pytest.mark.slow
 def test_a_validation_corpus_that_is_not_there_fails_before_training(tmp_path):
     done = subprocess.run([sys.executable, "-m", "europa_jax.cli", "train",
                            config_path("tiny-cpu.yaml"), "--run-dir", str(tmp_path / "r"),
