@@ -544,6 +544,7 @@ def test_a_checkpoint_of_another_model_is_refused_not_skipped(small, tmp_path):
     assert checkpoint.committed_steps(tmp_path) == [1]
 
 
+@pytest.mark.slow
 def test_a_nonfinite_step_leaves_the_state_unchanged_but_counts(small):
     tiny_cfg, trainer, state, batch = small
     state = jax.tree.map(jnp.copy, state)  # the step donates its input

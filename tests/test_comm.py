@@ -169,6 +169,7 @@ def test_expert_parallel_moe_equals_dense_reference(ep_and_reference, routing):
     assert_trees_close(g_ep, g_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_expert_parallel_moe_equals_dense_reference(tiny_cfg, mesh):
     """moe_chunk_tokens on the mesh: each chunk exchanged and computed on its own (2 chunks
     of 8 tokens per device here), same outputs and gradients as the dense reference."""
@@ -242,6 +243,7 @@ def with_comm(cfg, **kw):
     return dataclasses.replace(cfg, comm=dataclasses.replace(cfg.comm, **kw))
 
 
+@pytest.mark.slow
 def test_lowered_step_collectives_dtypes_and_axes(tiny_cfg, mesh):
     cfg = with_comm(tiny_cfg, weight_gather_dtype="fp8", grad_reduce_dtype="bf16",
                     expert_exchange_dtype="bf16")

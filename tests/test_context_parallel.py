@@ -82,6 +82,7 @@ def unsplit_attention(cfg, params, x_BSD, seg_BS, pos_BS):
         {"params": params}, x_BSD, seg_BS, cos, sin)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_heads,expert", [(4, 4), (8, 4), (4, 8)])  # 1 or 2 heads per
 def test_attention_over_the_node_equals_unsplit_values_gradients_and_logit_max(  # GPU
         tiny_cfg, n_heads, expert):
@@ -129,6 +130,7 @@ def with_context_parallel(cfg, on=True):
         cfg.execution, attention_context_parallel=on))
 
 
+@pytest.mark.slow
 def test_training_losses_match_the_run_without_context_parallelism(tiny_cfg):
     cfg = with_settings(tiny_cfg, compute_dtype="float32")
     _, losses = train_for(cfg, 4)
@@ -137,6 +139,7 @@ def test_training_losses_match_the_run_without_context_parallelism(tiny_cfg):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_the_lowered_step_exchanges_latents_over_expert_only(tiny_cfg, mesh):
     """The new collectives, all over `expert` and sized by the latents (q_lora, kv_lora,
     RoPE key dims), never by the heads' q/k/v: per layer the q and kv latents' gathers
@@ -174,6 +177,7 @@ def test_the_lowered_step_exchanges_latents_over_expert_only(tiny_cfg, mesh):
     assert sum(c.infiniband_bytes for c in cp) == sum(c.infiniband_bytes for c in base) > 0
 
 
+@pytest.mark.slow
 def test_over_an_expert_axis_across_nodes_the_latents_stay_inside_each_node(tiny_cfg):
     """1×8 (2 nodes of 4): the attention's collectives run over each node's 4 devices of
     the expert axis (`expert:4`), every byte on NVLink; the same bytes as on 2×4."""

@@ -58,6 +58,7 @@ def test_moe_over_an_expert_axis_across_nodes_equals_the_dense_reference(
     assert_gradients_match_dense(ep, params, x, bias, cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices_per_node,n_group,topk_group,routing,exchange", [
     (4, 2, 1, "random", "dense"),  # 2 nodes × 4, node-limited
     (2, 4, 2, "random", "dense"),  # 4 nodes × 2, on at most 2 of them

@@ -50,6 +50,7 @@ def cached_logits(cfg, params, bias_LE, tokens_1S, dtype):
     return jnp.stack(out, axis=1), cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers, layer_input_format",
                          [(True, "compute_dtype"), (False, "compute_dtype"), (True, "e4m3")])
 def test_every_step_gives_the_uncached_forward_s_logits(tiny_cfg, scan_layers,
@@ -72,6 +73,7 @@ def test_every_step_gives_the_uncached_forward_s_logits(tiny_cfg, scan_layers,
     assert int(cache.length) == S
 
 
+@pytest.mark.slow
 def test_in_bfloat16_the_steps_stay_within_bfloat16_s_rounding(tiny_cfg):
     cfg, params, bias_LE, tokens_1S, full_1SV = setup(tiny_cfg, compute_dtype="bfloat16")
     got_1TV, _ = cached_logits(cfg, params, bias_LE, tokens_1S, jnp.bfloat16)

@@ -335,6 +335,7 @@ def test_flat_scores_and_absolute_paths(tmp_path):
                      "train": [str(tmp_path / "*.jsonl"), "/abs/x.jsonl", "gone.jsonl"]}
 
 
+@pytest.mark.slow
 def test_a_tokenizer_json_run_encodes_as_the_exported_tokenizer_does(tmp_path):
     """Merges and a BOS: our ids and prefix token are those lm-eval's HF backend gets from
     the export's tokenizer files (TemplateLM's pair splitting is shared code)."""

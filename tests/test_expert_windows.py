@@ -82,6 +82,7 @@ def weight_grads(experts, x, gates, w, window, groups=2):
     return jax.grad(f, argnums=(0, 1, 2))(*w)
 
 
+@pytest.mark.slow
 def test_weight_gradients_are_accumulated_in_float32_and_rounded_once():
     """bf16 rows (as the kernels multiply them), float32 weights: the weight gradients
     over 30 windows (every group overflows many times) equal one window's — the float32

@@ -54,6 +54,7 @@ def sent(mesh, ctx, x_TD, experts_TU, e_local=4):
     return np.asarray(rows), np.asarray(grad)
 
 
+@pytest.mark.slow
 def test_the_dispatch_sends_e4m3_rows_and_its_gradient_goes_straight_through(mesh, tiny_cfg):
     """The rows a peer receives under fp8 are exactly the fp32 exchange's rows of
     dequantize(quantize(x)); the gradient back to the tokens is the one the fp32 exchange
@@ -74,6 +75,7 @@ def test_the_dispatch_sends_e4m3_rows_and_its_gradient_goes_straight_through(mes
     assert np.abs(fp8_grad).max() > 0
 
 
+@pytest.mark.slow
 def test_an_fp8_dispatch_moe_stays_within_e4m3s_error_of_the_reference(mesh, tiny_cfg):
     """The MoE layer (ragged exchange, 2×4 mesh) with the dispatch in fp8: outputs and
     gradients near the dense reference, further than the fp32 exchange (which equals it)."""
@@ -124,6 +126,7 @@ def test_the_gh200_program_dispatches_in_e4m3_and_combines_in_bf16(tiny_cfg):
     assert "f8e4m3fn" in dtypes and "bf16" in dtypes, dtypes
 
 
+@pytest.mark.slow
 def test_a_two_stage_dispatch_sends_fp8_across_nodes_and_stays_near_the_reference(tiny_cfg):
     """2 nodes × 4 with the dispatch through each expert's node (node_dispatch.py): both
     stages take the fp8 rows; the output within e4m3's error, gradients finite and near."""

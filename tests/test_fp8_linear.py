@@ -106,6 +106,7 @@ def reference(tiny_cfg, batch_and_state):
     return objective_gradients(tiny_cfg, *batch_and_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [dict(fp8_gemms="tensor"),
                                      dict(fp8_gemms="block", fp8_expert_gemms="block")],
                          ids=["tensor", "block-with-experts"])

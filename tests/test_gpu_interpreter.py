@@ -363,6 +363,7 @@ def _grads(run, x_RD, experts_RU, gates_RU, *w):
 GRAD_NAMES = ["x", "gates", "w_gate", "w_up", "w_down"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("assignment,groups,window", CASES)
 def test_window_gradients_on_the_interpreted_mosaic_kernels_equal_the_reference(
         interpretable, assignment, groups, window):
@@ -384,6 +385,7 @@ def test_window_gradients_on_the_interpreted_mosaic_kernels_equal_the_reference(
         np.testing.assert_allclose(a, b, rtol=5e-2, atol=2e-2 * scale, err_msg=name)
 
 
+@pytest.mark.slow
 def test_unwritten_rows_would_reach_the_weight_gradients_without_the_zeroing(
         interpretable, monkeypatch):
     """Why the weight-gradient kernel's operands are `past_groups_zeroed`, and that the

@@ -84,6 +84,7 @@ def test_the_backward_keeps_the_e4m3_tiles_instead_of_the_input(exact_cfg, e4m3_
     assert all(t.startswith(("f8_e4m3fn<host>", "f32<host>")) for t in on_host(e4m3))
 
 
+@pytest.mark.slow
 def test_e4m3_inputs_move_the_loss_and_gradients_by_e4m3_s_rounding(exact_cfg, e4m3_cfg):
     (loss_exact, _), grads_exact = computed(exact_cfg)
     (loss_e4m3, _), grads_e4m3 = computed(e4m3_cfg)
@@ -105,6 +106,7 @@ def host_bytes(jaxpr: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_the_offloaded_layer_inputs_are_e4m3_tiles_and_their_scales(exact_cfg, e4m3_cfg):
     """With `offload_layer_inputs`, the host holds each layer's input: in the compute dtype
     (float32 in the tiny model), or e4m3 with one float32 scale per tile (the tiny model's
@@ -116,6 +118,7 @@ def test_the_offloaded_layer_inputs_are_e4m3_tiles_and_their_scales(exact_cfg, e
     assert e4m3["f32"] == e4m3["f8_e4m3fn"] // fp8_rows.tile_width(d) * 4
 
 
+@pytest.mark.slow
 def test_the_row_loop_reads_the_same_e4m3_copy(e4m3_cfg):
     """2 rows per device on 4 devices: one at a time through each layer (`execution.row_loop`,
     which rounds the rows' inputs once outside its loop) or together, the same loss and

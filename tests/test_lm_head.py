@@ -78,6 +78,7 @@ def test_a_chunk_that_does_not_divide_the_sequence_is_a_config_error():
         load_config(config_path("tiny-cpu.yaml"), ["execution.loss_chunk_tokens=48"])
 
 
+@pytest.mark.slow
 def test_training_loss_and_gradients_do_not_depend_on_the_chunk(tiny_cfg):
     """The sharded training loss (2×4 mesh, document masks) with 16-token chunks vs none."""
     mesh = sharding.make_mesh(tiny_cfg.mesh)

@@ -54,6 +54,7 @@ def gradients_of(trainer, state, batch):
         return jax.device_get(jax.jit(grads)(state, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
 def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, m):
     (loss_1, stats_1), grads_1 = gradients_of(*steps[1])
@@ -72,6 +73,7 @@ def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, m):
         updated_router_bias(bias, stats_1["expert_counts_E"], 0.01))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
 def test_one_accumulated_step_updates_the_parameters_as_the_whole_batch(steps, m):
     def step_of(trainer, state, batch):

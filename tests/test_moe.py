@@ -200,6 +200,7 @@ def test_blocked_backward_keeps_no_weight_copy_per_block():
     assert biggest["bytes"] < n_blocks * d * f * 4 / 4, biggest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [8, 16])
 def test_chunked_moe_equals_one_dispatch(moe_cfg, chunk):
     """moe_chunk_tokens: same outputs, gradients and counts as dispatching every token at

@@ -236,6 +236,7 @@ def batch_and_state(tiny_cfg):
     return cfg, *first_batch_and_initial_state(cfg)
 
 
+@pytest.mark.slow
 def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(batch_and_state):
     cfg, batch, state = batch_and_state
     (loss_0, stats_0), grads_0 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.0)
@@ -255,6 +256,7 @@ def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(bat
                            grads_0["moe_layers"]["attention"]["w_q_b"])
 
 
+@pytest.mark.slow
 def test_microbatches_give_the_whole_batch_s_mtp_loss_and_gradients(batch_and_state):
     cfg, batch, state = batch_and_state
     (loss_1, stats_1), grads_1 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.5)
@@ -265,6 +267,7 @@ def test_microbatches_give_the_whole_batch_s_mtp_loss_and_gradients(batch_and_st
                                rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_step_balances_and_clips_the_module_s_block_too(batch_and_state):
     """The module's MoE block has its own router-bias row (the last) and QK-clip reaches its
     attention: a threshold below every logit scales its w_q_b too."""
@@ -286,6 +289,7 @@ def test_a_step_balances_and_clips_the_module_s_block_too(batch_and_state):
 # ----------------------------------------------------------------------------- the module
 
 
+@pytest.mark.slow
 def test_scanned_equals_unrolled_and_module_k_sees_no_token_past_its_target(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg.model, mtp_layers=2)
     ex = dataclasses.replace(tiny_cfg.execution, remat="none")
@@ -364,6 +368,7 @@ def test_config_mistakes_name_the_key(overrides, message):
         load_config(config_path("tiny-cpu.yaml"), overrides)
 
 
+@pytest.mark.slow
 def test_the_plan_compiles_and_prices_the_module(tiny_cfg):
     """`plan` sizes the step with the module from the compiled program (its memory, its
     matmuls) and prices its attention like a layer's."""

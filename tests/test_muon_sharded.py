@@ -62,6 +62,7 @@ def _step(tx):
     return apply
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,expert", MESH_SHAPES)
 def test_spread_muon_equals_optax_muon_on_the_model(tiny_cfg, trajectory, data, expert):
     """Three steps on the test-size model's real parameters (stacked experts, w_o split

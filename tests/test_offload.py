@@ -5,6 +5,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from europa_jax.parallel import offload, sharding
 from europa_jax.train import train
@@ -15,6 +16,7 @@ def with_offload(cfg, **kw):
     return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **kw))
 
 
+@pytest.mark.slow
 def test_offloaded_state_stays_on_host_between_steps(tiny_cfg):
     """After real steps the state is back in pinned_host (the step's out_shardings). XLA:CPU
     ignores memory kinds in the program itself: that the GPU program reads, copies and writes
@@ -47,6 +49,7 @@ def host_placements(hlo):
     return hlo.count('_xla_buffer_placement="pinned_host"')
 
 
+@pytest.mark.slow
 def test_lowered_step_reads_state_from_host_and_writes_it_back(tiny_cfg):
     trainer, low = lowered(with_offload(tiny_cfg, optimizer_state=True))
     n_state = sum(1 for x in jax.tree.leaves(trainer.abstract_state.opt_state) if x.ndim)
@@ -64,6 +67,7 @@ def step_jaxpr(cfg):
         trainer.abstract_state, train.abstract_batch(trainer)))
 
 
+@pytest.mark.slow
 def test_each_activation_preset_changes_the_program_as_named(tiny_cfg):
     """Recompute shows in the lowered HLO (more matmuls); offloaded residuals show as
     host-memory values in the program jax hands to XLA (XLA:CPU's lowering drops the

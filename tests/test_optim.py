@@ -86,6 +86,7 @@ def test_muon_fraction_of_real_configs():
         assert optim.muon_fraction(load_config(config_path(name)).model) > 0.99
 
 
+@pytest.mark.slow
 def test_optimizer_runs_on_model_params(params, tiny_cfg):
     real = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), params)
     tx = optim.build_optimizer(tiny_cfg.optim, 10)

@@ -273,6 +273,7 @@ def unstable(tiny_cfg):
     return tau, runs
 
 
+@pytest.mark.slow
 def test_the_step_reports_the_max_logits_per_layer(unstable):
     _, runs = unstable
     cfg = runs["unclipped"]["cfg"]
@@ -283,6 +284,7 @@ def test_the_step_reports_the_max_logits_per_layer(unstable):
         assert int(m["qk_clip_heads_clipped"]) == 0
 
 
+@pytest.mark.slow
 def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
     """Without the clip the max logit passes τ after a few steps and grows to 7-10τ; with
     it, it stays within a few τ, bounded. Not under τ at every step: as in Kimi K2 the clip
@@ -314,6 +316,7 @@ def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
         assert all(bool(m["finite"]) and np.isfinite(float(m["loss"])) for m in run["metrics"])
 
 
+@pytest.mark.slow
 def test_the_clip_adds_no_collective_to_the_step(unstable):
     """The per-head factor is replicated and the multiply elementwise on each shard: the
     compiled step's collectives are the same with and without the clip."""
@@ -326,6 +329,7 @@ def test_the_clip_adds_no_collective_to_the_step(unstable):
     assert runs["clipped"]["hlo"] != runs["unclipped"]["hlo"]  # the clip is in the program
 
 
+@pytest.mark.slow
 def test_no_collective_either_where_w_kv_b_shards_its_heads_and_w_q_b_does_not(tiny_cfg):
     """kv_lora_rank 12 on 2×4: w_kv_b is P(None, data, expert, None), w_q_b keeps its heads
     whole (europa-952b's layout). Unpinned, the partitioner computed the factors sharded

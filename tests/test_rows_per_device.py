@@ -57,6 +57,7 @@ def one_and_two_rows(tiny_cfg):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two", ["two", "two, row loop"])
 def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(
         one_and_two_rows, two):
@@ -73,6 +74,7 @@ def test_two_rows_per_device_compute_what_one_row_on_twice_the_devices_computes(
         np.testing.assert_array_equal(stats_2["dispatches"], stats_1["dispatches"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row_loop", [False, True])
 def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg, row_loop):
     """On the same 2 × 4 mesh, 2 rows per device move exactly the weight gathers and
@@ -103,6 +105,7 @@ def test_the_step_gathers_each_weight_once_for_all_of_a_device_s_rows(tiny_cfg, 
     assert two[exchange][1] == pytest.approx(2 * one[exchange][1], rel=0.05)
 
 
+@pytest.mark.slow
 def test_the_row_loop_s_gathers_carry_their_layers_name_for_the_plan(tiny_cfg):
     """The plan tells the step's fill and drain (the first layers' gathers and last
     reduce-scatters, which nothing hides: critical_path.py) by the layers' name in the ops'
@@ -149,6 +152,7 @@ def test_the_plan_counts_a_row_loop_s_dispatches_and_attention_passes_per_row(ti
     assert step_work.forward_passes(looped, per_row) == 2
 
 
+@pytest.mark.slow
 def test_the_row_loop_gives_each_trip_the_node_s_rows_under_context_parallelism(tiny_cfg):
     """With attention over the node's GPUs a trip takes row r of each of them (its
     segment ids and positions come gathered in device order): the same loss and

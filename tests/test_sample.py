@@ -37,6 +37,7 @@ def args(run, **kw):
     return argparse.Namespace(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate_on_the_fp32_export(byte_run, sampler, tmp_path):
     out = tmp_path / "hf"
     export(byte_run, out, dtype="fp32")
@@ -62,6 +63,7 @@ def test_greedy_equals_transformers_generate_on_the_fp32_export(byte_run, sample
         PROMPT, max_new_tokens=NEW).ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_cached_decode_generates_what_the_whole_row_forward_generates(sampler, temperature):
     for text in (PROMPT, "x"):
@@ -71,6 +73,7 @@ def test_the_cached_decode_generates_what_the_whole_row_forward_generates(sample
         assert cached == reference
 
 
+@pytest.mark.slow
 def test_temperature_sampling_is_seeded_and_valid(sampler):
     first = sampler.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=1)
     same = sampler.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=1)
@@ -85,6 +88,7 @@ def test_temperature_sampling_is_seeded_and_valid(sampler):
     assert cold.ids == sampler.generate(PROMPT, max_new_tokens=8).ids
 
 
+@pytest.mark.slow
 def test_run_prints_the_text_or_with_json_one_json_line_alone(byte_run, capsys):
     assert run(args(byte_run, json=True, max_new_tokens=6)) == exit_codes.OK
     record = json.loads(capsys.readouterr().out)  # stdout is the JSON and nothing else
@@ -94,6 +98,7 @@ def test_run_prints_the_text_or_with_json_one_json_line_alone(byte_run, capsys):
     assert capsys.readouterr().out == record["text"] + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     (dict(run_dir="/nonexistent/run"), "no such run directory"),
     (dict(prompt=""), "--prompt: empty"),
@@ -115,6 +120,7 @@ def test_a_run_without_checkpoints_is_refused(tmp_path):
         sample(tmp_path, PROMPT)
 
 
+@pytest.mark.slow
 def test_sampling_a_tokenizer_json_run_uses_its_tokenizer(tmp_path_factory):
     run_dir, tok_path, _ = huggingface_run(tmp_path_factory)
     s = Sampler(run_dir)

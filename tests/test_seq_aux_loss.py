@@ -98,6 +98,7 @@ def batch_and_state(tiny_cfg):
     return cfg, *first_batch_and_initial_state(cfg)
 
 
+@pytest.mark.slow
 def test_the_objective_adds_alpha_times_the_mean_balance_over_sequences(batch_and_state):
     cfg, batch, state = batch_and_state
     (loss_0, stats_0), grads_0 = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.0)
@@ -116,6 +117,7 @@ def test_the_objective_adds_alpha_times_the_mean_balance_over_sequences(batch_an
     np.testing.assert_allclose(moe_a["w_down"][-1], moe_0["w_down"][-1], rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_microbatches_give_the_whole_batch_s_aux_loss_and_gradients(batch_and_state):
     cfg, batch, state = batch_and_state
     (loss_1, stats_1), grads_1 = objective_gradients(cfg, batch, state, seq_aux_loss_weight=0.5)
@@ -126,6 +128,7 @@ def test_microbatches_give_the_whole_batch_s_aux_loss_and_gradients(batch_and_st
                                grads_1["moe_layers"]["moe"]["w_router"], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_step_logs_the_lm_loss_as_loss_and_the_aux_loss_beside_it(batch_and_state):
     cfg, batch, state = batch_and_state
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_aux_loss_weight=0.5))

@@ -95,6 +95,7 @@ def test_storage_padding_pads_the_dimension_that_pads_least():
     assert pad(("heads", "head_dim", "embed"), (64, 128, 7168), 1) == (64, 128, 7168)
 
 
+@pytest.mark.slow
 def test_padded_storage_trains_exactly_like_unpadded(tiny_cfg):
     """Zero padding is invisible to the model: the same losses and the same weights (where
     they exist), with the padding still zero after Muon and AdamW steps."""

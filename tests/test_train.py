@@ -41,6 +41,7 @@ def single_device_reference(tiny_cfg):
     return cfg, loss_and_grads_on(cfg, MeshConfig(data=1, expert=1), jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,expert", [(2, 4), (1, 8), (8, 1)])
 def test_same_loss_and_gradients_on_every_mesh_layout(single_device_reference, data, expert):
     """FSDP + expert parallelism with fp32 communication changes nothing but the layout."""
@@ -66,6 +67,7 @@ def test_fp8_gathers_track_fp32_over_50_steps(tiny_cfg):
     assert gap.max() < 0.02 and not np.array_equal(fp8, fp32)
 
 
+@pytest.mark.slow
 def test_repeated_steps_lower_the_loss_on_a_fixed_batch(tiny_cfg):
     tiny_cfg = dataclasses.replace(tiny_cfg, optim=dataclasses.replace(tiny_cfg.optim,
                                                                        warmup_steps=0))
