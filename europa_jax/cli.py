@@ -381,11 +381,11 @@ def run_training(cfg, run_dir: str | None, *, start_over: bool = False) -> int:
     from europa_jax.run import outcome
 
     # the tasks are found and loaded before the run directory is touched
-    return outcome.train_to_exit_code(cfg, run_dir, tasks=_task_evaluation(cfg),
+    return outcome.train_to_exit_code(cfg, run_dir, tasks=task_evaluation(cfg),
                                       start_over=start_over)
 
 
-def _task_evaluation(cfg):
+def task_evaluation(cfg):
     """`train.eval_tasks` (eval/during_training.py) for the loop, or None."""
     if not cfg.train.eval_tasks:
         return None

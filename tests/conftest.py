@@ -259,13 +259,9 @@ def train_in_process(run_dir, overrides=(), config="tiny-cpu.yaml"):
     """`europa-jax train CONFIG --set OVERRIDES --run-dir RUN_DIR`, run by the loop in this
     process (the 8 test devices), with `train.eval_tasks` evaluated as the CLI has them: the
     config it trained. For tests that need a trained run directory, not the process around it."""
+    from europa_jax.cli import task_evaluation
     from europa_jax.run import loop
 
     cfg = load_config(config_path(config), list(overrides))
-    tasks = None
-    if cfg.train.eval_tasks:
-        from europa_jax.eval.during_training import TaskEvaluation
-
-        tasks = TaskEvaluation(cfg)
-    loop.train(cfg, run_dir, tasks=tasks)
+    loop.train(cfg, run_dir, tasks=task_evaluation(cfg))
     return cfg
