@@ -5,7 +5,8 @@ Many tests compile the same tiny train step (in-process and in the `europa-jax` 
 they start); after the first, XLA's executable is read back from the cache instead of
 compiled again. The cache lives in a fresh directory for each session — every xdist
 worker and every subprocess gets it through the environment — and is removed at the end,
-so nothing carries over between runs.
+so nothing carries over between runs. Results a test computes once for every worker (a
+program compiled for GH200, `computed_once`) live beside it, in a store made the same way.
 
 XLA:CPU's LLVM backend runs at -O0 in the test session (and in every process a test
 starts): the tests check what the programs compute, not how fast they run, and LLVM's
@@ -16,9 +17,13 @@ optimized levels only in rounding. A level already in XLA_FLAGS is kept:
 """
 
 import dataclasses
+import fcntl
+import hashlib
 import os
+import pickle
 import shutil
 import tempfile
+from pathlib import Path
 
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -34,6 +39,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="europa-jax-test-cache-")
+_OWN_STORE = "EUROPA_JAX_TEST_STORE" not in os.environ
+if _OWN_STORE:
+    os.environ["EUROPA_JAX_TEST_STORE"] = tempfile.mkdtemp(prefix="europa-jax-test-store-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
@@ -45,14 +53,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The files that take 40 s or more on 2 cores (multi-process runs, whole-model and GPU-target
-# compiles), longest first. xdist hands out whole files (`--dist loadfile`, in collection
-# order with `--no-loadscope-reorder`), so starting these first lets the two workers finish
-# together instead of one running a slow file alone at the end. Order only: every test runs.
-LONGEST_FILES = ("test_checkpoint.py", "test_gpu_target.py", "test_qk_clip.py", "test_train.py",
-                 "test_slurm.py", "test_plan.py", "test_gpu_check.py", "test_gpu_step_classes.py",
-                 "test_sample.py", "test_downstream_eval.py", "test_trackers.py",
-                 "test_resilience.py", "test_watch.py", "test_launch_local.py",
-                 "test_gpu_smoke.py", "test_gpu_interpreter.py", "test_fp8_linear.py")
+# compiles), longest first (the whole suite's junit times). xdist hands out whole files
+# (`--dist loadfile`, in collection order with `--no-loadscope-reorder`), so starting these
+# first lets the two workers finish together instead of one running a slow file alone at
+# the end. test_qk_clip and test_gpu_step_classes read test_gpu_target's first GH200
+# compile (computed_once): they start after it is done. Order only: every test runs.
+LONGEST_FILES = (
+    "test_gpu_target.py", "test_checkpoint.py", "test_mtp.py", "test_resilience.py",
+    "test_fp8_dispatch.py", "test_history.py", "test_microbatches.py", "test_qk_clip.py",
+    "test_train.py", "test_downstream_eval.py", "test_sample.py", "test_context_parallel.py",
+    "test_plan.py", "test_layer_input.py", "test_gpu_interpreter.py",
+    "test_rows_per_device.py", "test_cross_node_experts.py", "test_peer_lost.py",
+    "test_export.py", "test_layout_search.py", "test_gpu_step_classes.py", "test_comm.py",
+    "test_fp8_linear.py", "test_gpu_check.py", "test_gpu_smoke.py", "test_decode.py",
+    "test_trackers.py", "test_spikes.py", "test_watch.py", "test_seq_aux_loss.py",
+    "test_corpora_end_to_end.py", "test_tiny_run.py", "test_launch_local.py",
+    "test_expert_windows.py", "test_offload.py", "test_moe.py", "test_lm_head.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,6 +81,32 @@ def pytest_sessionfinish(session):
     """The run's cache goes with it (a cache set from outside is left alone)."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if _OWN_STORE:
+        shutil.rmtree(os.environ["EUROPA_JAX_TEST_STORE"], ignore_errors=True)
+
+
+_computed: dict[str, object] = {}
+
+
+def computed_once(name: str, key, compute):
+    """compute()'s result for `key` (anything with a stable repr, e.g. a Config), computed
+    once a session by whichever xdist worker asks first; the others wait on its lock and
+    read it back (pickled in the session's store). For results that take minutes, such as
+    a program compiled for GH200, that tests in several files read."""
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+    name = f"{name}-{digest}"
+    if name not in _computed:
+        path = Path(os.environ["EUROPA_JAX_TEST_STORE"]) / f"{name}.pickle"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if path.exists():
+                _computed[name] = pickle.loads(path.read_bytes())
+            else:
+                _computed[name] = compute()
+                partial = path.with_suffix(".partial")
+                partial.write_bytes(pickle.dumps(_computed[name]))
+                partial.replace(path)
+    return _computed[name]
 
 
 def process_env(*without: str) -> dict:

@@ -10,7 +10,7 @@ from europa_jax.parallel import offload
 from europa_jax.plan.price import critical_path
 from europa_jax.plan.program import (gpu_program, gpu_target, hlo_program, hlo_report, kernel_classes, step_compile)
 from europa_jax.train import train
-from test_gpu_target import gpu_cfg, needs_toolchain, optimized_text
+from test_gpu_target import compile_for_gpu, gpu_cfg, needs_toolchain
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def step_text(cfg):
-    return optimized_text(cfg)
+    return compile_for_gpu(cfg)["text"]  # test_gpu_target's gpu_step: one compile a session
 
 
 def launching_instructions(text: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -20,7 +21,7 @@ from europa_jax.config_loader import load_config
 from europa_jax.parallel import offload, sharding
 from europa_jax.plan.program import gpu_program, gpu_target, hbm_traffic, hlo_report, kernel_classes
 from europa_jax.train import train
-from conftest import REPO, config_path, with_settings
+from conftest import REPO, computed_once, config_path, with_settings
 
 MISSING = gpu_target.missing_toolchain()
 if MISSING and os.environ.get("EUROPA_JAX_REQUIRE_GPU_COMPILE") == "1":
@@ -52,12 +53,38 @@ def without_offload(cfg):
         cfg.offload, optimizer_state=False, activations="none"))
 
 
-def compile_for_gpu(cfg):
+def compile_for_gpu(cfg, measured=True):
+    """cfg's train step compiled for 8 GH200s, once a session for every file that asks
+    (conftest.computed_once: each compile takes minutes on 2 cores): the optimized program's
+    text and memory, and with `measured` what the plan reads of it (gpu_program.measure,
+    from the same compile)."""
     mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
-    numbers, largest, facts = gpu_program.measure(cfg, mesh)
-    trainer = train.build_trainer(cfg, mesh)
-    return {"cfg": cfg, "mesh": mesh, "numbers": numbers, "largest": largest, "facts": facts,
-            "state": trainer.abstract_state}
+    step = computed_once("gh200-step", (cfg, measured), lambda: _compiled(cfg, mesh, measured))
+    return {**step, "cfg": cfg, "mesh": mesh,
+            "state": train.build_trainer(cfg, mesh).abstract_state}
+
+
+def _compiled(cfg, mesh, measured: bool) -> dict:
+    kept, compile_lowered = [], gpu_target.compile_lowered
+
+    def keep(lowered, mesh_):  # the program measure compiles, kept for its text
+        kept.append(compile_lowered(lowered, mesh_))
+        return kept[-1]
+
+    if measured:
+        with mock.patch.object(gpu_target, "compile_lowered", keep):
+            numbers, largest, facts = gpu_program.measure(cfg, mesh)
+        (compiled,) = kept
+    else:
+        numbers = largest = facts = None
+        trainer = train.build_trainer(cfg, mesh)
+        with gpu_target.lowering(mesh):
+            compiled = gpu_target.compile_lowered(train.jit_train_step(trainer).trace(
+                trainer.abstract_state, train.abstract_batch(trainer)).lower(), mesh)
+    memory = compiled.memory_analysis()
+    return {"numbers": numbers, "largest": largest, "facts": facts, "text": compiled.as_text(),
+            "memory": {f: getattr(memory, f"{f}_size_in_bytes")
+                       for f in gpu_program.MEMORY_FIELDS}}
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +191,11 @@ def test_attention_is_tokamax_flash_attention_without_a_seq_by_seq_buffer(gpu_st
 
 @pytest.mark.slow
 @needs_toolchain
-def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_buffer(tiny_cfg):
+def test_attention_over_the_node_compiles_with_flash_kernels_and_no_seq_by_seq_buffer(node_step):
     """Context parallelism on GH200: the node's rows go through tokamax's flash kernels
     (4 rows × 1 head per GPU here), no [S, S] buffer, the latents gathered in bf16 over
     NVLink."""
-    cfg = without_offload(gpu_cfg(tiny_cfg, attention_context_parallel=True))
-    step = compile_for_gpu(cfg)
+    step, cfg = node_step, node_step["cfg"]
     facts = step["facts"]
     library = facts["library_kernels"]
     assert library["attention_forward"] and library["attention_backward"], facts["custom_calls"]
@@ -205,13 +231,9 @@ def test_a_two_stage_dispatch_over_two_nodes_compiles_to_ragged_exchanges_per_st
 
 
 def optimized_text(cfg) -> str:
-    """The optimized GPU program of cfg's train step (as gpu_program.measure compiles it)."""
-    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
-    trainer = train.build_trainer(cfg, mesh)
-    with gpu_target.lowering(mesh):
-        lowered = train.jit_train_step(trainer).trace(trainer.abstract_state,
-                                                      train.abstract_batch(trainer)).lower()
-        return gpu_target.compile_lowered(lowered, mesh).as_text()
+    """The optimized GPU program of cfg's train step (as gpu_program.measure compiles it),
+    not measured (a measured one's text is compile_for_gpu(cfg)["text"])."""
+    return compile_for_gpu(cfg, measured=False)["text"]
 
 
 def long_rows(tiny_cfg, **changes):
@@ -224,6 +246,12 @@ def long_rows(tiny_cfg, **changes):
 @pytest.fixture(scope="module")
 def long_text(tiny_cfg):
     return optimized_text(long_rows(tiny_cfg))
+
+
+@pytest.fixture(scope="module")
+def node_step(tiny_cfg):
+    """Context parallelism over the node's 4 GPUs, with long_rows' chunk pairs."""
+    return compile_for_gpu(long_rows(tiny_cfg, attention_context_parallel=True))
 
 
 def flash_vjp_calls(text: str):
@@ -258,12 +286,11 @@ def test_the_attention_backward_runs_chunk_pairs_with_the_document_bounds(long_t
 
 @pytest.mark.slow
 @needs_toolchain
-def test_over_the_node_each_row_runs_its_own_chunk_pairs(tiny_cfg):
+def test_over_the_node_each_row_runs_its_own_chunk_pairs(node_step):
     """Context parallelism hands each GPU the node's 4 rows: the backward's pair kernels
     run one row at a time (batch 1, in a loop over the rows), each row's off-diagonal
     pairs in a loop of its own data trip count; no [S, S] buffer."""
-    cfg = long_rows(tiny_cfg, attention_context_parallel=True)
-    text = optimized_text(cfg)
+    cfg, text = node_step["cfg"], node_step["text"]
     calls = flash_vjp_calls(text)
     assert calls and any(dynamic for _, dynamic in calls), [c[0][:200] for c in calls]
     for line, _ in calls:
@@ -340,30 +367,38 @@ def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_
     assert facts["dense_expert_buffers"] == [] and facts["dense_attention_buffers"] == []
 
 
+@pytest.fixture(scope="module")
+def faulty_step(tiny_cfg):
+    """Both kernels the checks exist to catch, in one program: tokamax's XLA attention
+    (it builds the [S, S] document mask) and jax.lax.ragged_dot (every row times every
+    expert). Each check reads its own part of the model."""
+    return compile_for_gpu(without_offload(gpu_cfg(tiny_cfg, attention="tokamax_xla",
+                                                   grouped_matmul="ragged_dot")))
+
+
+def faulty_checks(step) -> dict:
+    return {c["path"]: c for c in gpu_program.kernel_checks(
+        step["cfg"], step["numbers"], step["facts"], 0, [])}
+
+
 @pytest.mark.slow
 @needs_toolchain
-def test_an_attention_with_a_dense_mask_is_caught(tiny_cfg):
+def test_an_attention_with_a_dense_mask_is_caught(faulty_step):
     """The check can fail: tokamax's XLA path builds the [S, S] document mask."""
-    cfg = without_offload(gpu_cfg(tiny_cfg, attention="tokamax_xla"))
-    step = compile_for_gpu(cfg)
-    s = cfg.data.seq_len
-    assert step["facts"]["dense_attention_buffers"][0]["shape"][-2:] == [s, s]
-    checks = {c["path"]: c for c in gpu_program.kernel_checks(cfg, step["numbers"], step["facts"],
-                                                           0, [])}
-    assert not checks["attention"]["ok"]
+    s = faulty_step["cfg"].data.seq_len
+    assert faulty_step["facts"]["dense_attention_buffers"][0]["shape"][-2:] == [s, s]
+    assert not faulty_checks(faulty_step)["attention"]["ok"]
 
 
 @pytest.mark.slow
 @needs_toolchain
-def test_jax_ragged_dot_is_caught_as_a_dense_expansion(tiny_cfg):
+def test_jax_ragged_dot_is_caught_as_a_dense_expansion(faulty_step):
     """The check can fail: jax.lax.ragged_dot compiles to every row times every expert."""
-    cfg = without_offload(gpu_cfg(tiny_cfg, grouped_matmul="ragged_dot"))
-    step = compile_for_gpu(cfg)
-    assert "grouped_gemm" not in step["facts"]["library_kernels"]
-    checks = gpu_program.kernel_checks(cfg, step["numbers"], step["facts"], 0, [])
-    assert not checks[0]["ok"] and checks[0]["path"] == "grouped matmul"
+    cfg, facts = faulty_step["cfg"], faulty_step["facts"]
+    assert "grouped_gemm" not in facts["library_kernels"]
+    assert not faulty_checks(faulty_step)["grouped matmul"]["ok"]
     e_local = cfg.model.n_routed_experts // cfg.mesh.expert
-    assert step["facts"]["dense_expert_buffers"][0]["shape"].count(e_local) >= 1
+    assert facts["dense_expert_buffers"][0]["shape"].count(e_local) >= 1
 
 
 @needs_toolchain

@@ -353,19 +353,6 @@ def test_no_collective_either_where_w_kv_b_shards_its_heads_and_w_q_b_does_not(t
 # --------------------------------------------------------------------------- GPU program
 
 
-def compiled_gpu_step(cfg):
-    """The step as XLA:GPU compiles it for 8 GH200s (the Mosaic GPU attention kernel)."""
-    from europa_jax.plan.program import gpu_target
-
-    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
-    trainer = train.build_trainer(cfg, mesh)
-    state, batch = trainer.abstract_state, train.abstract_batch(trainer)
-    with gpu_target.lowering(mesh):
-        compiled = gpu_target.compile_lowered(
-            train.jit_train_step(trainer).trace(state, batch).lower(), mesh)
-    return compiled.as_text(), compiled.memory_analysis(), mesh
-
-
 @pytest.mark.slow
 def test_on_the_gpu_kernels_the_clip_compiles_with_the_same_collectives_and_memory(tiny_cfg):
     """tokamax's Mosaic GPU flash attention called with return_residuals=True compiles,
@@ -377,11 +364,13 @@ def test_on_the_gpu_kernels_the_clip_compiles_with_the_same_collectives_and_memo
     if gpu_target_tests.MISSING:
         pytest.skip(f"gpu extra missing: {gpu_target_tests.MISSING}")
     base = gpu_target_tests.gpu_cfg(tiny_cfg)
+    assert base.optim.qk_clip_threshold is None  # without the clip: test_gpu_target's gpu_step
     programs = {}
     for threshold in (None, 100.0):
         cfg = dataclasses.replace(base, optim=dataclasses.replace(
             base.optim, qk_clip_threshold=threshold))
-        programs[threshold] = compiled_gpu_step(cfg)
+        step = gpu_target_tests.compile_for_gpu(cfg, measured=threshold is None)
+        programs[threshold] = step["text"], step["memory"], step["mesh"]
     for text, _, _ in programs.values():  # the forward kernel and its VJP's
         kinds = {(kernel_classes.library_kernel(line) or ("",))[0] for line in text.splitlines()
                  if " custom-call(" in line}
@@ -397,5 +386,5 @@ def test_on_the_gpu_kernels_the_clip_compiles_with_the_same_collectives_and_memo
              for k in with_clip if with_clip[k] != without[k]}
     assert set(grown) <= {("all-reduce", "data+expert", "f32")}, grown
     assert 0 <= sum(grown.values()) <= 2 * 4 * m.n_layers * m.n_heads, grown
-    assert mem_on.argument_size_in_bytes == mem_off.argument_size_in_bytes
-    assert abs(mem_on.temp_size_in_bytes - mem_off.temp_size_in_bytes) <= 4096
+    assert mem_on["argument"] == mem_off["argument"]
+    assert abs(mem_on["temp"] - mem_off["temp"]) <= 4096
