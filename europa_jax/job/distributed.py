@@ -171,7 +171,12 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
     import jax
 
     # Ignored on GPU hosts, where the CPU backend holds no mesh devices.
-    jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(mesh, launch))
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(mesh, launch))
+    except RuntimeError:
+        # jax ran before this in the process (the library called from a notebook or a
+        # test): its devices are set; job_mesh says so if the mesh does not fit them
+        pass
     if launch.distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         logs.stamp_native_stdout("gloo")  # its C++ prints its connections to stdout
