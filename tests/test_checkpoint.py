@@ -22,14 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from europa_jax.cli import run_training
 from europa_jax.config import CheckpointConfig, MeshConfig
+from europa_jax.config_loader import load_config
 from europa_jax.parallel import sharding
 from europa_jax.store import checkpoint, run_lock, saved_checkpoints
 from europa_jax.job import exit_codes
 from europa_jax.run import loop
 from europa_jax.store.save_outcome import save_error, SaveFailed, SaveOutcome
 from europa_jax.train import train
-from conftest import REPO, config_path, process_env
+from conftest import REPO, config_path, process_env, train_in_process
 
 # Small enough that one compile is ~20 s on 2 cores; the compilation cache makes reruns ~5 s.
 TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
@@ -39,10 +41,12 @@ TINY = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
 
 
 @pytest.fixture(scope="session")
-def cli_env(tmp_path_factory):
-    env = process_env()  # the CLI sizes the CPU device count from the config
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    return env
+def cli_env():
+    """The environment of a `europa-jax` process: the CLI sizes the CPU device count from the
+    config. It keeps the session's compilation cache (tests/conftest.py): the train step a
+    run in this process compiled is read back by the processes, and the other way round (the
+    device-count flag is not part of the cache key)."""
+    return process_env()
 
 
 def start_cli(run_dir, env, *overrides, **popen):
@@ -58,6 +62,14 @@ def run_cli(run_dir, env, *overrides):
     proc = start_cli(run_dir, env, *overrides)
     out, err = proc.communicate(timeout=600)
     return proc.returncode, out, err
+
+
+def train_here(run_dir, *overrides):
+    """What `europa-jax train` on the TINY config with `overrides` does, run in this process
+    (cli.run_training): the exit code; its `europa-jax: …` lines and the summary go to this
+    process's stderr and stdout. For tests whose subject is not the process around the run."""
+    return run_training(load_config(config_path("tiny-cpu.yaml"), [*TINY, *overrides]),
+                        str(run_dir))
 
 
 def metrics(run_dir):
@@ -92,10 +104,12 @@ def trajectory(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, cli_env):
+def reference_run(tmp_path_factory):
+    """The uninterrupted run every interrupted one must equal, bitwise. Trained in this
+    process, not a `europa-jax` one: the process is not what it checks, and the same config
+    on the same 8 CPU devices compiles to the same program, so its bits are the CLI's."""
     run_dir = tmp_path_factory.mktemp("reference")
-    rc, _, err = run_cli(run_dir, cli_env)
-    assert rc == exit_codes.OK, err[-3000:]
+    train_in_process(run_dir, TINY)
     return run_dir
 
 
@@ -119,8 +133,8 @@ def test_sigkill_at_a_random_step_then_restart_equals_an_uninterrupted_run(
     # The killed run's lock file stays, naming it; its lock died with it (run_lock.py).
     assert f'"pid": {proc.pid}' in (tmp_path / run_lock.LOCK_FILE).read_text()
     resumed_from = max(checkpoint.committed_steps(tmp_path), default=0)
-    rc, _, err = run_cli(tmp_path, cli_env)
-    assert rc == exit_codes.OK, err[-3000:]
+    # The restart reads only what the kill left on disk: it runs in this process.
+    assert train_here(tmp_path) == exit_codes.OK
     if resumed_from:
         assert {"event": "checkpoint_restored", "step": resumed_from}.items() <= \
             [e for e in events(tmp_path) if e["event"] == "checkpoint_restored"][-1].items()
@@ -139,8 +153,8 @@ def test_sigterm_finishes_the_step_saves_exits_for_requeue_and_resumes(
     meta = saved_checkpoints.read_meta(saved_checkpoints.checkpoint_dir(tmp_path) / str(saved))
     assert meta["reason"] == "preempted" and saved >= 3
     assert len(metrics(tmp_path)) == saved  # the step in flight finished, nothing after it
-    rc, _, err = run_cli(tmp_path, cli_env, "checkpoint.every_steps=0")
-    assert rc == exit_codes.OK, err[-3000:]
+    # the requeued run reads only the preemption's save: it runs in this process
+    assert train_here(tmp_path, "checkpoint.every_steps=0") == exit_codes.OK
     assert_same_run(tmp_path, reference_run)
 
 
@@ -167,7 +181,8 @@ def test_ctrl_c_finishes_the_step_saves_says_so_in_one_line_and_the_rerun_resume
 
 
 @pytest.mark.slow
-def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_path, cli_env):
+def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_path, cli_env,
+                                                                          capsys):
     """Without warm-up, 4 steps end on the decay's floor at step 4; 6 steps are still on
     the plateau there."""
     rc, _, err = run_cli(tmp_path, cli_env, "train.steps=4", "optim.warmup_steps=0")
@@ -183,7 +198,9 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     assert "resuming step 4: the learning rate there moves from" in err
     (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
     assert changed["step"] == 4 and changed["keys"] == ["train.steps"]
-    rc, out, err = run_cli(tmp_path, cli_env, "train.steps=6", "optim.warmup_steps=0")
+    capsys.readouterr()  # the same command again, in this process: nothing left to train
+    rc = train_here(tmp_path, "train.steps=6", "optim.warmup_steps=0")
+    out, err = capsys.readouterr()
     assert rc == exit_codes.OK and json.loads(out) == {"steps": 6}, err[-3000:]
     assert f"europa-jax: {tmp_path} already holds step 6, the last: nothing to train" in err
 
@@ -193,8 +210,7 @@ def test_a_run_saved_before_the_execution_section_resumes_as_it_was_saved(tmp_pa
     """Checkpoints whose saved config holds `remat`, `attention_block_size`, … under
     `model:` (before `execution:` existed) resume: their keys move to `execution` on
     reading, so the resume sees only what the command changed."""
-    rc, _, err = run_cli(tmp_path, cli_env, "train.steps=2")
-    assert rc == exit_codes.OK, err[-3000:]
+    train_in_process(tmp_path, [*TINY, "train.steps=2"])  # the run to be resumed: in process
     for step in checkpoint.committed_steps(tmp_path):
         path = checkpoint.checkpoint_dir(tmp_path) / str(step) / "meta" / "metadata"
         meta = json.loads(path.read_text())
@@ -224,11 +240,13 @@ def test_a_second_ctrl_c_quits_at_once():
 
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_checkpoint(
-        tmp_path, cli_env):
-    # A learning rate of 1e30 makes step 1's update overflow: every later loss is NaN.
-    rc, _, err = run_cli(tmp_path, cli_env, "optim.learning_rate=1e30", "optim.warmup_steps=0",
-                         "checkpoint.every_steps=1", "checkpoint.nan_policy=skip",
-                         "checkpoint.max_consecutive_skips=2")
+        tmp_path, capsys):
+    # A learning rate of 1e30 makes step 1's update overflow: every later loss is NaN. (In
+    # this process: the policy is the subject; the exit code is run/outcome.py's mapping.)
+    rc = train_here(tmp_path, "optim.learning_rate=1e30", "optim.warmup_steps=0",
+                    "checkpoint.every_steps=1", "checkpoint.nan_policy=skip",
+                    "checkpoint.max_consecutive_skips=2")
+    err = capsys.readouterr().err
     assert rc == exit_codes.NONFINITE, err[-3000:]
     nonfinite = [e for e in events(tmp_path) if e["event"] == "nonfinite"]
     assert [e["action"] for e in nonfinite] == ["skip", "skip", "stop"]
@@ -344,8 +362,8 @@ def test_a_failed_save_stops_the_run_in_one_line_and_a_resume_is_exact(
         assert [p.name for p in ckpt_dir.iterdir()] == ["2"]  # the partial save removed
         if fault == "full_disk":
             resize(64 * 2**20)
-        rc, _, err = run_cli(tmp_path, cli_env)
-        assert rc == exit_codes.OK, err[-3000:]
+        # the resume reads only the last good checkpoint: it runs in this process
+        assert train_here(tmp_path) == exit_codes.OK
         assert {"event": "checkpoint_restored", "step": 2}.items() <= \
             [e for e in events(tmp_path) if e["event"] == "checkpoint_restored"][-1].items()
         assert_same_run(tmp_path, reference_run)

@@ -161,14 +161,20 @@ def test_greedy_generation_equals_lm_eval_hf_backend(ours, hflm):
 @pytest.mark.slow
 def test_cli_scores_equal_lm_eval_simple_evaluate_on_the_export(cli_result, hflm):
     from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from europa_jax.eval.task_files import SHIPPED_DIR
 
     printed, written, _ = cli_result
     assert printed == written
     assert written["step"] == 100 and written["tasks"] == TASKS
     assert written["documents"] == {task: 8 for task in TASKS}
     tasks = list(load_tasks(TASKS).task_dict["tasks"].values())
+    # The tasks are given built; without a manager simple_evaluate would make its default
+    # one, which indexes every built-in lm-eval task's YAML (tens of seconds) to find none.
+    local = TaskManager(include_path=[str(SHIPPED_DIR)], include_defaults=False)
     theirs = harness.flat_scores(simple_evaluate(model=hflm, tasks=tasks, bootstrap_iters=0,
-                                                 log_samples=False))
+                                                 log_samples=False, task_manager=local))
     assert set(written["scores"]) == set(theirs) == SCORES
     for key, value in theirs.items():
         assert written["scores"][key] == pytest.approx(value, abs=1e-9), key

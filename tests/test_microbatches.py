@@ -17,9 +17,9 @@ from europa_jax.store import checkpoint
 from europa_jax.job import exit_codes
 from europa_jax.run import loop
 from europa_jax.train import train
-from conftest import assert_trees_close, config_path
-from test_checkpoint import (assert_same_run, cli_env, metrics, run_cli, start_cli,  # noqa: F401
-                             wait_for_step)
+from conftest import assert_trees_close, config_path, train_in_process
+from test_checkpoint import (TINY, assert_same_run, cli_env, metrics, start_cli,  # noqa: F401
+                             train_here, wait_for_step)
 
 ROWS = 32  # 4 rows per device of the 2 × 4 mesh
 
@@ -54,10 +54,17 @@ def gradients_of(trainer, state, batch):
         return jax.device_get(jax.jit(grads)(state, batch))
 
 
+@pytest.fixture(scope="module")
+def whole_batch_gradients(steps):
+    """m = 1's ((loss, stats), gradients): what every split is compared with, computed once."""
+    return gradients_of(*steps[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
-def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, m):
-    (loss_1, stats_1), grads_1 = gradients_of(*steps[1])
+def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, whole_batch_gradients,
+                                                                    m):
+    (loss_1, stats_1), grads_1 = whole_batch_gradients
     (loss_m, stats_m), grads_m = gradients_of(*steps[m])
     np.testing.assert_allclose(loss_m, loss_1, rtol=1e-5)
     assert_trees_close(grads_m, grads_1, rtol=1e-5, atol=1e-7)
@@ -73,16 +80,25 @@ def test_accumulated_gradients_loss_and_stats_are_the_whole_batch_s(steps, m):
         updated_router_bias(bias, stats_1["expert_counts_E"], 0.01))
 
 
+def step_of(trainer, state, batch):
+    """(new state, metrics) of one train step, as host arrays (on a copy: the step donates)."""
+    with jax.set_mesh(trainer.mesh):
+        new, metrics_ = train.jit_train_step(trainer)(jax.tree.map(lambda x: x.copy(), state),
+                                                     batch)
+        return jax.device_get((new, metrics_))
+
+
+@pytest.fixture(scope="module")
+def whole_batch_step(steps):
+    """m = 1's step: what every split is compared with, computed once."""
+    return step_of(*steps[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
-def test_one_accumulated_step_updates_the_parameters_as_the_whole_batch(steps, m):
-    def step_of(trainer, state, batch):
-        with jax.set_mesh(trainer.mesh):
-            new, metrics_ = train.jit_train_step(trainer)(jax.tree.map(lambda x: x.copy(), state),
-                                                         batch)
-            return jax.device_get((new, metrics_))
-
-    new_1, metrics_1 = step_of(*steps[1])
+def test_one_accumulated_step_updates_the_parameters_as_the_whole_batch(steps, whole_batch_step,
+                                                                        m):
+    new_1, metrics_1 = whole_batch_step
     new_m, metrics_m = step_of(*steps[m])
     np.testing.assert_allclose(metrics_m["loss"], metrics_1["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics_m["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
@@ -120,9 +136,10 @@ ACCUMULATED = ["data.global_batch_size=16", "train.microbatches=2"]
 
 @pytest.mark.slow
 def test_a_preempted_accumulated_run_resumes_bitwise(tmp_path_factory, cli_env):  # noqa: F811
+    # The uninterrupted run, in this process (as test_checkpoint's reference_run: the same
+    # program and bits as the CLI's, whose compile the processes then read from the cache).
     reference = tmp_path_factory.mktemp("accumulated")
-    rc, _, err = run_cli(reference, cli_env, *ACCUMULATED)
-    assert rc == exit_codes.OK, err[-3000:]
+    train_in_process(reference, [*TINY, *ACCUMULATED])
     run_dir = tmp_path_factory.mktemp("preempted")
     proc = start_cli(run_dir, cli_env, *ACCUMULATED, "checkpoint.every_steps=0")
     wait_for_step(proc, run_dir, 3)
@@ -130,6 +147,6 @@ def test_a_preempted_accumulated_run_resumes_bitwise(tmp_path_factory, cli_env):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == exit_codes.PREEMPTED, err[-3000:]
     assert checkpoint.committed_steps(run_dir)[-1] == len(metrics(run_dir)) < 8
-    rc, _, err = run_cli(run_dir, cli_env, *ACCUMULATED, "checkpoint.every_steps=0")
-    assert rc == exit_codes.OK, err[-3000:]
+    # the requeued run reads only the preemption's save: it runs in this process
+    assert train_here(run_dir, *ACCUMULATED, "checkpoint.every_steps=0") == exit_codes.OK
     assert_same_run(run_dir, reference)

@@ -18,6 +18,11 @@ from test_export_tokenizer import byte_level_run, huggingface_run
 
 PROMPT = "def main():\n    "
 NEW = 24
+# Prompts of PROMPT's 16 bytes: the cached decoder compiles one program per prompt length
+# and cache size (prompt + NEW), so these share PROMPT's two programs (compiled once for
+# the module) instead of compiling two more per length.
+GREEDY_PROMPTS = (PROMPT, "import os\nimport", "    return self.", "    if x is None")
+SHORT = 8  # a second, shorter length (PROMPT + SHORT: one more pair of programs)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def test_greedy_equals_transformers_generate_on_the_fp32_export(byte_run, sample
     model.eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     seen = set()
-    for text in (PROMPT, "import ", "return self.", "if x is None"):
+    for text in GREEDY_PROMPTS:
         ours = sampler.generate(text, max_new_tokens=NEW)
         assert ours.prompt_ids == list(text.encode()) and ours.step == 100
         prompt = torch.tensor([tok(text)["input_ids"]])
@@ -84,17 +89,17 @@ def test_temperature_sampling_is_seeded_and_valid(sampler):
         assert all(0 <= i < BYTE_VOCAB_SIZE for i in s.ids)
         assert BYTE_EOS_ID not in s.ids[:-1]  # generation stops at EOS
     # a very low temperature is greedy
-    cold = sampler.generate(PROMPT, max_new_tokens=8, temperature=1e-6, seed=3)
-    assert cold.ids == sampler.generate(PROMPT, max_new_tokens=8).ids
+    cold = sampler.generate(PROMPT, max_new_tokens=SHORT, temperature=1e-6, seed=3)
+    assert cold.ids == sampler.generate(PROMPT, max_new_tokens=SHORT).ids
 
 
 @pytest.mark.slow
 def test_run_prints_the_text_or_with_json_one_json_line_alone(byte_run, capsys):
-    assert run(args(byte_run, json=True, max_new_tokens=6)) == exit_codes.OK
+    assert run(args(byte_run, json=True, max_new_tokens=SHORT)) == exit_codes.OK
     record = json.loads(capsys.readouterr().out)  # stdout is the JSON and nothing else
-    assert record["prompt_ids"] == list(PROMPT.encode()) and len(record["ids"]) <= 6
+    assert record["prompt_ids"] == list(PROMPT.encode()) and len(record["ids"]) <= SHORT
     assert record["step"] == 100 and record["stop"] in ("eos", "max_new_tokens")
-    assert run(args(byte_run, max_new_tokens=6)) == exit_codes.OK
+    assert run(args(byte_run, max_new_tokens=SHORT)) == exit_codes.OK
     assert capsys.readouterr().out == record["text"] + "\n"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, config_path, process_env
+from conftest import REPO, config_path, process_env, train_in_process
 from europa_jax.config import ConfigError
 from europa_jax.config_loader import load_config
 from europa_jax.records import trackers
@@ -46,13 +46,11 @@ def cli_env(**extra) -> dict:
     return {**process_env(*WANDB_ENV), **OFFLINE, **extra}
 
 
-def train_cli(run_dir, *overrides, env=None):
-    args = [sys.executable, "-m", "europa_jax.cli", "train", config_path("tiny-cpu.yaml"),
-            "--run-dir", str(run_dir)]
-    for item in [*SMALL, *overrides]:
-        args += ["--set", item]
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=env or cli_env())
+def train(run_dir, *overrides):
+    """`europa-jax train` of SMALL with `overrides`, by the loop in this process
+    (conftest.train_in_process): what the trackers write does not need a process of its
+    own, and this one has jax, wandb and the compiled step loaded already."""
+    train_in_process(run_dir, [*SMALL, *overrides])
 
 
 # ------------------------------------------------------- reading wandb's run files back
@@ -130,9 +128,13 @@ def wandb_run(tmp_path_factory):
     """Two steps with trackers [tensorboard, wandb] and WANDB_MODE unset, then the same run
     directory to step 4: the second invocation resumes from the first's final checkpoint."""
     run_dir = tmp_path_factory.mktemp("tracked") / "run"
-    for steps in (2, 4):
-        done = train_cli(run_dir, f"train.steps={steps}", "train.trackers=[tensorboard,wandb]")
-        assert done.returncode == 0, done.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as mp:  # offline_wandb's (it starts after this)
+        for key in WANDB_ENV:
+            mp.delenv(key, raising=False)
+        for key, value in OFFLINE.items():
+            mp.setenv(key, value)
+        for steps in (2, 4):
+            train(run_dir, f"train.steps={steps}", "train.trackers=[tensorboard,wandb]")
     return run_dir
 
 
@@ -205,11 +207,10 @@ def test_tensorboard_gets_the_same_steps_beside_wandb(wandb_run):
 
 
 @pytest.mark.slow
-def test_wandb_mode_disabled_writes_nothing(tmp_path):
+def test_wandb_mode_disabled_writes_nothing(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    done = train_cli(run_dir, "train.steps=2", "train.trackers=[wandb]",
-                     env=cli_env(WANDB_MODE="disabled"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train(run_dir, "train.steps=2", "train.trackers=[wandb]")
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == [1, 2]  # always written
     assert not (run_dir / "wandb").exists() and not (run_dir / trackers.RUN_ID_FILE).exists()
     assert not list(run_dir.glob("events.out.tfevents*"))  # not named: no TensorBoard
