@@ -18,8 +18,23 @@ from europa_jax.job import exit_codes, jax_start, logs
 from europa_jax.job.distributed import StartError
 
 
+CONFIG_HELP = "a YAML config, e.g. configs/tiny-cpu.yaml (the README's default run)"
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """An option's help ends with its default where it has one its text does not state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and "default" not in text  # not flags
+                and action.default not in (None, [], argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="europa-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"europa-jax {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     loudness = common.add_mutually_exclusive_group()
     loudness.add_argument("--quiet", "-q", dest="verbosity", action="store_const",
@@ -29,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, **kwargs) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kwargs)
+        return sub.add_parser(name, parents=[common], formatter_class=_DefaultsShown, **kwargs)
 
     train = command("train", help="train a model from a YAML config")
-    train.add_argument("config")
+    train.add_argument("config", help=CONFIG_HELP)
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set optim.learning_rate=1e-3")
     train.add_argument("--run-dir", help="the run's directory: checkpoints, metrics, logs; "
@@ -42,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                        "gone or set aside (refused otherwise; the old metrics are kept)")
 
     export = command("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
-    export.add_argument("run_dir")
+    export.add_argument("run_dir", help="the run's directory (checkpoints/ in it)")
     export.add_argument("--out", required=True, help="output directory (created)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     export.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -52,22 +67,24 @@ def _parser() -> argparse.ArgumentParser:
                         "(checked against the corpus manifest)")
 
     imp = command("import", help="Hugging Face DeepseekV3 safetensors → a run directory")
-    imp.add_argument("hf_dir")
+    imp.add_argument("hf_dir", help="a Hugging Face DeepseekV3 directory (config.json, "
+                     "safetensors)")
     imp.add_argument("--config", required=True, help="the YAML config to train it with")
     imp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     imp.add_argument("--out", required=True, help="run directory to create")
     imp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
     count = command("count", help="parameter counts from shapes alone (no allocation)")
-    count.add_argument("config")
+    count.add_argument("config", help=CONFIG_HELP)
     count.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     plan = command("plan", help="per-device memory, FLOPs, communication, kernels and "
                           "GH200 step estimate, from the step compiled for N GPUs (or CPUs) "
                           "without them")
-    plan.add_argument("config")
-    plan.add_argument("--devices", type=int, required=True,
-                      help="must equal mesh.data × mesh.expert")
+    plan.add_argument("config", help=CONFIG_HELP)
+    plan.add_argument("--devices", type=int,
+                      help="the step's device count (default: the config's mesh.data × "
+                      "mesh.expert, which it must equal without --search)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     plan.add_argument("--target", default="gh200", choices=["gh200", "h100", "h200", "cpu"],
@@ -122,13 +139,15 @@ def _parser() -> argparse.ArgumentParser:
                          "non-string field, text that is not UTF-8) instead of stopping at "
                          "the first; unsupported or corrupt files stay errors")
 
-    sample = command("sample", help="generate text from a run's checkpoint (no KV cache: "
-                     "small models)")
-    sample.add_argument("run_dir")
+    sample = command("sample", help="generate text from a run's checkpoint (greedy or "
+                     "sampled, decoded through the attention's latent cache)")
+    sample.add_argument("run_dir", help="the run's directory (checkpoints/ in it)")
     sample.add_argument("--prompt", required=True, help="text to continue")
-    sample.add_argument("--max-new-tokens", type=int, default=64)
+    sample.add_argument("--max-new-tokens", type=int, default=64,
+                        help="stop after this many new tokens (or at the end-of-text token)")
     sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--seed", type=int, default=0,
+                        help="the draws' random seed (with --temperature above 0)")
     sample.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     sample.add_argument("--tokenizer", help="the run's tokenizer.json if data.tokenizer no "
                         "longer points to it")
@@ -137,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluate = command("eval", help="lm-eval-harness tasks scored on a run's checkpoint "
                        "with our model, on the run's mesh")
-    evaluate.add_argument("run_dir")
+    evaluate.add_argument("run_dir", help="the run's directory (checkpoints/ in it)")
     evaluate.add_argument("--tasks", required=True, metavar="A,B",
                           help="task names: the shipped europa_tiny_choice, europa_tiny_gen, "
                           "those of --tasks-dir, or lm_eval's own")
@@ -154,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 
     report = command("report", help="plots (PNG) and a summary of a run directory; "
                             "works while the run is going")
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", help="the run's directory (metrics.jsonl, events.jsonl)")
     report.add_argument("--out", help="where the PNGs and summary.txt go (default: "
                         "RUN_DIR/report)")
     return parser
@@ -183,6 +202,8 @@ def _prepare(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, cfg) -> int:
     from pathlib import Path
 
+    if args.devices is None:  # the mesh says how many
+        args.devices = cfg.mesh.n_devices
     if args.search or args.vary:
         if args.compare:
             raise ConfigError("--compare: not with --search (compare one layout with the "
@@ -304,7 +325,32 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.OK
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("europa-jax")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+def _set_without_equals(argv: list[str]) -> str | None:
+    """The hint for `--set KEY VALUE` (argparse would take VALUE for a positional and
+    print the whole usage): the first `--set` without `=`, written as it should be."""
+    for i, arg in enumerate(argv[:-1]):
+        key = argv[i + 1]
+        if arg == "--set" and "=" not in key:
+            value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("-") else ""
+            return (f"--set {key} {value}".rstrip() + f": --set takes KEY=VALUE, e.g. "
+                    f"--set {key}={value or 'VALUE'}")
+    return None
+
+
 def _main(argv: list[str] | None) -> int:
+    hint = _set_without_equals(list(sys.argv[1:] if argv is None else argv))
+    if hint:
+        _error(ConfigError(hint))
+        return exit_codes.BAD_INPUT
     args = _parser().parse_args(argv)
     logs.configure(args.verbosity)
     if args.command == "report":  # no jax

@@ -31,7 +31,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
+        raise ConfigError(f"{path}: config file not found{_configs_nearby(path)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
@@ -75,6 +75,17 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
     for item in overrides:
         _apply_override(raw, item)
     return raw
+
+
+def _configs_nearby(path: Path) -> str:
+    """`; configs here: a.yaml, b.yaml` — the YAML files in the missing file's folder, or
+    in ./configs (the repository's) when that folder has none."""
+    for folder in (path.parent, Path("configs")):
+        names = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        if names:
+            where = "" if folder == Path(".") else f" in {folder}/"
+            return f"; the configs{where}: {', '.join(names)}"
+    return ""
 
 
 def _apply_override(raw: dict, item: str) -> None:

@@ -198,10 +198,12 @@ def test_a_resume_with_more_steps_says_what_changed_before_the_first_step(tmp_pa
     assert "resuming step 4: the learning rate there moves from" in err
     (changed,) = [e for e in events(tmp_path) if e["event"] == "config_changed"]
     assert changed["step"] == 4 and changed["keys"] == ["train.steps"]
+    assert changed["changes"] == {"train.steps": {"saved": 4, "now": 6}}  # what, not just where
     capsys.readouterr()  # the same command again, in this process: nothing left to train
     rc = train_here(tmp_path, "train.steps=6", "optim.warmup_steps=0")
     out, err = capsys.readouterr()
-    assert rc == exit_codes.OK and json.loads(out) == {"steps": 6}, err[-3000:]
+    assert rc == exit_codes.OK and json.loads(out) == {"steps": 6, "run_dir": str(tmp_path)}, \
+        err[-3000:]
     assert f"europa-jax: {tmp_path} already holds step 6, the last: nothing to train" in err
 
 

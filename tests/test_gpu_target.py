@@ -489,6 +489,7 @@ def test_a_missing_toolchain_is_a_one_line_error_naming_the_extra(monkeypatch, c
     err = capsys.readouterr().err
     assert code == 2 and err.strip().count("\n") == 0
     assert "pip install -e '.[gpu]'" in err and "jax-cuda12-plugin" in err
+    assert err.strip().endswith("or plan the step on XLA:CPU with --target cpu")
 
 
 @pytest.mark.slow

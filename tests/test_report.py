@@ -181,6 +181,18 @@ def test_missing_run_dir_or_metrics(tmp_path):
         write_report(tmp_path)
 
 
+def test_a_run_before_its_first_step_reports_what_it_has(tmp_path):
+    """Started (its config written, a checkpoint restored), no step logged yet: the summary
+    says n/a where there is nothing and counts what there is; no plot is drawn."""
+    (tmp_path / "config.json").write_text(json.dumps({"data": {"seq_len": 64}}))
+    _write_lines(tmp_path / "events.jsonl", [{"event": "checkpoint_restored", "step": 4}])
+    s = write_report(tmp_path)
+    assert s["steps_logged"] == 0 and s["restarts"] == 1 and s["plots"] == []
+    text = (tmp_path / "report" / "summary.txt").read_text()
+    assert "steps logged: n/a–n/a (0 records, 0 validation)" in text
+    assert "last loss: n/a" in text
+
+
 def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     run = make_run(tmp_path, validation=False, per_layer=False, extras=False)
     path = run / "metrics.jsonl"

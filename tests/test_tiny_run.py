@@ -1,5 +1,6 @@
-"""One tiny run, trained for three steps by the loop in this process, read back by every
-command that takes a run directory: the fast tier's eval, sample and report tests.
+"""One tiny run, trained for three steps by what `europa-jax train` runs, in this process, and
+read back by every command that takes a run directory: the fast tier's eval, sample and
+report tests.
 
 The slow tier checks the same paths against outside references on longer runs (lm-eval's
 Hugging Face backend and transformers on the export: tests/test_downstream_eval.py,
@@ -9,6 +10,8 @@ from the checkpoint it saved, and the cached decoder's greedy tokens are those o
 row recomputed per token.
 """
 
+import contextlib
+import io
 import json
 import os
 
@@ -17,7 +20,9 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-from conftest import train_in_process  # noqa: E402
+from europa_jax import cli  # noqa: E402
+from europa_jax.config_loader import load_config  # noqa: E402
+from conftest import config_path  # noqa: E402
 
 TASKS = ["europa_tiny_choice", "europa_tiny_gen"]
 SCORES = {"eval/europa_tiny_choice/acc", "eval/europa_tiny_choice/acc_norm",
@@ -28,16 +33,26 @@ RUN = ["model.d_model=32", "model.q_lora_rank=16", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
        "model.dense_ffn_dim=64", "model.expert_ffn_dim=16", "execution.attention_block_size=16",
        "execution.remat=none", "data.seq_len=64", "data.global_batch_size=8",
-       "data.max_documents=40", "data.validation_fraction=0", "train.eval_every=0",
+       "data.max_documents=40", "data.validation_fraction=0.1", f"train.eval_every={STEPS}",
        f"train.steps={STEPS}", "train.log_every=1", f"train.eval_tasks=[{','.join(TASKS)}]",
        f"train.eval_tasks_every={STEPS}", "train.eval_tasks_limit=3"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def trained(tmp_path_factory):
+    """(run directory, stdout, stderr) of what `europa-jax train` runs (cli.run_training),
+    in this process."""
     run = tmp_path_factory.mktemp("tiny-run") / "run"
-    train_in_process(run, RUN)
-    return run
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.run_training(load_config(config_path("tiny-cpu.yaml"), RUN), str(run))
+    assert code == 0, err.getvalue()[-3000:]
+    return run, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained):
+    return trained[0]
 
 
 def records(run_dir) -> list[dict]:
@@ -81,3 +96,15 @@ def test_the_report_gives_the_runs_last_loss_and_its_task_scores(run_dir, tmp_pa
     assert f"downstream tasks (step {STEPS}): europa_tiny_choice/acc " in text
     assert f"last loss: {last['loss']:.4g} (step {STEPS})" in text
     assert "eval_tasks.png" in summary["plots"]
+
+
+def test_the_run_ends_with_its_validation_loss_and_the_commands_that_read_it(trained):
+    run_dir, out, err = trained
+    summary = json.loads(out.splitlines()[-1])
+    (validation,) = [r for r in records(run_dir) if "val_loss" in r]
+    assert summary["run_dir"] == str(run_dir) and summary["steps"] == STEPS
+    assert summary["val_loss"] == validation["val_loss"] and summary["val_step"] == STEPS
+    assert err.splitlines()[-1] == (
+        f"europa-jax: trained to step {STEPS}, validation loss {validation['val_loss']:.4g} at "
+        f"step {STEPS}, in {run_dir}; next: europa-jax report {run_dir} | europa-jax sample "
+        f"{run_dir} --prompt TEXT | europa-jax export {run_dir} --out DIR")

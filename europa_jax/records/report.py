@@ -28,6 +28,9 @@ from europa_jax.records import goodput
 
 # metrics.jsonl keys of the downstream tasks (europa_jax/eval/harness.py writes them)
 TASK_PREFIX = "eval/"
+# What a run writes before its first step: a directory with one of them is a run that has
+# started, whose report says n/a where it has no steps yet
+RUN_STARTED_FILES = ("config.json", "events.jsonl", "timeline.jsonl")
 # (label, steps, values) of one plotted line; only finite points.
 Line = tuple[str, list[int], list[float]]
 # (y label, lines, log y scale when every value is positive)
@@ -90,9 +93,10 @@ def load_run(run_dir: str | Path) -> Run:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run directory (expected one with metrics.jsonl)")
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    started = any((run_dir / name).is_file() for name in RUN_STARTED_FILES)
+    if not metrics.is_file() and not started:
         raise ReportError(f"{metrics}: not found (expected the run's training metrics)")
-    records = _read_jsonl(metrics)
+    records = _read_jsonl(metrics) if metrics.is_file() else []  # before its first step
     is_task = [any(k.startswith(TASK_PREFIX) for k in r) for r in records]
     is_val = [any(k.startswith("val_") for k in r) and not t for r, t in zip(records, is_task)]
     events_path, config_path = run_dir / "events.jsonl", run_dir / "config.json"

@@ -255,6 +255,13 @@ def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: 
     or the initial state at step 0; what changed since the save is said before it acts."""
     is_primary = jax.process_index() == 0
     restored = ckpt.restore_latest(events)
+    if restored is None and is_primary:
+        if not starting_over:  # say so: a resume that found nothing is a fresh run
+            log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
+        # init compiles and runs a program of its own: without this line the wait after
+        # the mesh line says nothing
+        log.info(f"initializing the parameters and their optimizer state (train.seed "
+                 f"{cfg.train.seed})")
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     start.restored = restored is not None
     if restored is None and is_primary and starting_over:  # asked for: history kept aside
@@ -263,16 +270,16 @@ def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: 
                f"{'; '.join(starting_over)}"
                + (f"; the old records are in {kept.name}" if kept else ""),
                level=logging.WARNING, found=starting_over, kept=kept and kept.name)
-    elif restored is None and is_primary:  # say so: a resume that found nothing is a fresh run
-        log.info(f"no checkpoint in {checkpoint.checkpoint_dir(run_dir)}: starting at step 0")
     if restored and is_primary:  # settings changed since the save, said before they act
         saved = restored.meta.get("config", {})
         changed = resume_changes.describe(saved, cfg, restored.step)
         for line in changed[:-1]:
             log.warning(line)
         if changed:  # the last line with the event
+            keys = resume_changes.changed_keys(saved, cfg)
             events("config_changed", changed[-1], level=logging.WARNING, step=restored.step,
-                   keys=[k for k, _, _ in resume_changes.changed_keys(saved, cfg)])
+                   keys=[k for k, _, _ in keys],
+                   changes={k: {"saved": old, "now": new} for k, old, new in keys})
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
     return state, restored.step if restored else 0

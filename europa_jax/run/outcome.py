@@ -50,16 +50,41 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
         if jax.process_count() > 1 and peer_lost.is_peer_loss(e):  # a collective with the dead
             peer_lost.exit_requeue(str(e))
         raise
-    summary = {"steps": cfg.train.steps}
+    where = str(run_dir or cfg.train.run_dir)
+    summary = {"steps": cfg.train.steps, "run_dir": where}
     if records:
         summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
+        summary.update(last_validation(where))
+        print(finished_line(summary), file=sys.stderr)
     else:  # the run directory already held the final step
-        where = run_dir or cfg.train.run_dir
         print(f"europa-jax: {where} already holds step {cfg.train.steps}, the last: nothing "
               "to train (raise train.steps to go on; `europa-jax report` shows the run)",
               file=sys.stderr)
     print(json.dumps(summary))
     return exit_codes.OK
+
+
+def last_validation(run_dir: str) -> dict:
+    """{"val_loss", "val_step"} of the run's last held-out loss in metrics.jsonl (this try's
+    or an earlier one's), or {} when it logged none."""
+    from europa_jax.records import report
+
+    try:
+        validation = report.load_run(run_dir).validation
+    except report.ReportError:  # another process's run directory, or none written here
+        return {}
+    return ({"val_loss": validation[-1]["val_loss"], "val_step": validation[-1]["step"]}
+            if validation else {})
+
+
+def finished_line(summary: dict) -> str:
+    """What the run reached and the commands that read it next."""
+    where = summary["run_dir"]
+    loss = (f"validation loss {summary['val_loss']:.4g} at step {summary['val_step']}"
+            if "val_loss" in summary else f"training loss {summary['final_loss']:.4g}")
+    return (f"europa-jax: trained to step {summary['steps']}, {loss}, in {where}; next: "
+            f"europa-jax report {where} | europa-jax sample {where} --prompt TEXT | "
+            f"europa-jax export {where} --out DIR")
 
 
 def error(e: Exception) -> None:

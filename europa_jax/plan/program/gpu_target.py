@@ -174,7 +174,8 @@ def require_toolchain(target_name: str) -> None:
     if missing:
         raise ToolchainError(
             f"--target {target_name} compiles for a GPU and needs the GPU compile toolchain: "
-            f"pip install -e '.[gpu]' (missing: {', '.join(missing)})")
+            f"pip install -e '.[gpu]' (missing: {', '.join(missing)}), or plan the step on "
+            f"XLA:CPU with --target cpu")
 
 
 def prepare_process() -> None:
