@@ -56,11 +56,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # compiles), longest first (the whole suite's junit times). xdist hands out whole files
 # (`--dist loadfile`, in collection order with `--no-loadscope-reorder`), so starting these
 # first lets the two workers finish together instead of one running a slow file alone at
-# the end. test_qk_clip and test_gpu_step_classes read test_gpu_target's first GH200
-# compile (computed_once): they start after it is done. Order only: every test runs.
+# the end. test_qk_clip, test_fp8_dispatch and test_gpu_step_classes read test_gpu_target's
+# GH200 compiles (computed_once): they start after it has begun. Order only: every test runs.
 LONGEST_FILES = (
     "test_gpu_target.py", "test_checkpoint.py", "test_mtp.py", "test_resilience.py",
-    "test_fp8_dispatch.py", "test_history.py", "test_microbatches.py", "test_qk_clip.py",
+    "test_history.py", "test_microbatches.py", "test_qk_clip.py", "test_fp8_dispatch.py",
     "test_train.py", "test_downstream_eval.py", "test_sample.py", "test_context_parallel.py",
     "test_plan.py", "test_layer_input.py", "test_gpu_interpreter.py",
     "test_rows_per_device.py", "test_cross_node_experts.py", "test_peer_lost.py",

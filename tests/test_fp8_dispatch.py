@@ -109,18 +109,14 @@ def test_the_plan_prices_the_fp8_dispatch_at_one_byte_and_a_scale_per_128():
 @pytest.mark.slow
 def test_the_gh200_program_dispatches_in_e4m3_and_combines_in_bf16(tiny_cfg):
     """The ragged exchanges of the GH200 program (the smoke widths, 8 GPUs): one carries
-    e4m3 rows (the forward's dispatch), with its float32 scales; the rest bf16."""
-    from test_gpu_target import MISSING, gpu_cfg, optimized_text
+    e4m3 rows (the forward's dispatch), with its float32 scales; the rest bf16. (The
+    program has an MTP module too: test_gpu_target's, compiled once for both.)"""
+    from test_gpu_target import MISSING, compile_for_gpu, mtp_cfg
 
     if MISSING:
         pytest.skip(f"gpu extra missing: {MISSING}")
-    cfg = gpu_cfg(tiny_cfg)
-    cfg = dataclasses.replace(cfg, comm=dataclasses.replace(
-        cfg.comm, expert_exchange="ragged", expert_exchange_dtype="fp8"))
-    from europa_jax.plan.program import gpu_target
-
-    mesh = gpu_target.mesh(cfg.mesh, gpu_target.TARGETS["gh200"])
-    found = [c for c in hlo_report.collectives(optimized_text(cfg), mesh)
+    step = compile_for_gpu(mtp_cfg(tiny_cfg))
+    found = [c for c in hlo_report.collectives(step["text"], step["mesh"])
              if c.op == "ragged-all-to-all"]
     dtypes = {c.dtype for c in found}
     assert "f8e4m3fn" in dtypes and "bf16" in dtypes, dtypes

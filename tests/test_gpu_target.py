@@ -334,6 +334,14 @@ def test_the_moe_moves_no_worst_case_buffer_and_lays_weights_out_once_per_layer(
     assert chunked / m.n_moe_layers > 1.5 * once
 
 
+def mtp_cfg(tiny_cfg):
+    """gpu_cfg with one MTP module, and the MoE's dispatch in e4m3: test_fp8_dispatch reads
+    the same program (one GH200 compile, two checks, each of its own part)."""
+    cfg = gpu_cfg(tiny_cfg, mtp_layers=1)
+    return dataclasses.replace(cfg, comm=dataclasses.replace(
+        cfg.comm, expert_exchange="ragged", expert_exchange_dtype="fp8"))
+
+
 @pytest.mark.slow
 @needs_toolchain
 def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_cfg, gpu_step):
@@ -343,7 +351,7 @@ def test_mtp_modules_run_the_main_blocks_library_kernels_on_the_gpu_target(tiny_
     One thing it does not get: the module's saved input stays in HBM (XLA:GPU keeps the
     input of a one-layer scanned stack on device although the policy offloads it, as for
     the decoder stacks: gpu_cfg), so the offload check says so, short by exactly that."""
-    step = compile_for_gpu(gpu_cfg(tiny_cfg, mtp_layers=1))
+    step = compile_for_gpu(mtp_cfg(tiny_cfg))
     facts, cfg, numbers = step["facts"], step["cfg"], step["numbers"]
     checks = {c["path"]: c for c in gpu_program.kernel_checks(
         cfg, numbers, facts, numbers["memory/host_argument"],
