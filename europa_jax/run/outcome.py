@@ -5,11 +5,14 @@ summary of a finished run is one JSON line on stdout."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 from europa_jax.config import ConfigError
 from europa_jax.data.corpus import DataError
 from europa_jax.job import exit_codes
+
+log = logging.getLogger(__name__)
 
 
 def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False
@@ -55,7 +58,12 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
     if records:
         summary.update(first_loss=records[0]["loss"], final_loss=records[-1]["loss"])
         summary.update(last_validation(where))
-        print(finished_line(summary), file=sys.stderr)
+        import jax
+
+        if jax.process_count() == 1:  # the newcomer's terminal: the line before the JSON
+            print(f"europa-jax: {finished_line(summary)}", file=sys.stderr)
+        elif jax.process_index() == 0:  # a job's rank logs: stamped like their other lines
+            log.info(finished_line(summary))
     else:  # the run directory already held the final step
         print(f"europa-jax: {where} already holds step {cfg.train.steps}, the last: nothing "
               "to train (raise train.steps to go on; `europa-jax report` shows the run)",
@@ -82,7 +90,7 @@ def finished_line(summary: dict) -> str:
     where = summary["run_dir"]
     loss = (f"validation loss {summary['val_loss']:.4g} at step {summary['val_step']}"
             if "val_loss" in summary else f"training loss {summary['final_loss']:.4g}")
-    return (f"europa-jax: trained to step {summary['steps']}, {loss}, in {where}; next: "
+    return (f"trained to step {summary['steps']}, {loss}, in {where}; next: "
             f"europa-jax report {where} | europa-jax sample {where} --prompt TEXT | "
             f"europa-jax export {where} --out DIR")
 
