@@ -28,8 +28,7 @@ from europa_jax.records import goodput
 
 # metrics.jsonl keys of the downstream tasks (europa_jax/eval/harness.py writes them)
 TASK_PREFIX = "eval/"
-# What a run writes before its first step: a directory with one of them is a run that has
-# started, whose report says n/a where it has no steps yet
+# What a run writes before its first step: its report then says n/a where it has no steps
 RUN_STARTED_FILES = ("config.json", "events.jsonl", "timeline.jsonl")
 # (label, steps, values) of one plotted line; only finite points.
 Line = tuple[str, list[int], list[float]]
@@ -93,8 +92,7 @@ def load_run(run_dir: str | Path) -> Run:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run directory (expected one with metrics.jsonl)")
     metrics = run_dir / "metrics.jsonl"
-    started = any((run_dir / name).is_file() for name in RUN_STARTED_FILES)
-    if not metrics.is_file() and not started:
+    if not metrics.is_file() and not any((run_dir / f).is_file() for f in RUN_STARTED_FILES):
         raise ReportError(f"{metrics}: not found (expected the run's training metrics)")
     records = _read_jsonl(metrics) if metrics.is_file() else []  # before its first step
     is_task = [any(k.startswith(TASK_PREFIX) for k in r) for r in records]
