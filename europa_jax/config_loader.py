@@ -78,8 +78,8 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
 
 
 def _configs_nearby(path: Path) -> str:
-    """`; configs here: a.yaml, b.yaml` — the YAML files in the missing file's folder, or
-    in ./configs (the repository's) when that folder has none."""
+    """`; the configs in DIR/: a.yaml, b.yaml` — the YAML files in the missing file's
+    folder, or in ./configs (the repository's) when that folder has none."""
     for folder in (path.parent, Path("configs")):
         names = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
         if names:

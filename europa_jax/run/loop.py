@@ -276,10 +276,10 @@ def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: 
         for line in changed[:-1]:
             log.warning(line)
         if changed:  # the last line with the event
-            keys = resume_changes.changed_keys(saved, cfg)
+            values = resume_changes.changed_keys(saved, cfg)  # (key, saved, now)
             events("config_changed", changed[-1], level=logging.WARNING, step=restored.step,
-                   keys=[k for k, _, _ in keys],
-                   changes={k: {"saved": old, "now": new} for k, old, new in keys})
+                   keys=[k for k, _, _ in values],
+                   changes={k: {"saved": old, "now": new} for k, old, new in values})
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
     return state, restored.step if restored else 0
