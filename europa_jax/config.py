@@ -182,6 +182,10 @@ class DataConfig:
     balance: bool = True
     # Batches prepared ahead in a background thread (0: made on demand).
     prefetch: int = 2
+    # Batches mix documents: the pieces (at most a row each) of this many stream tokens,
+    # rounded down to whole global batches and at least one, are shuffled together
+    # (data/batch_plan.py). 0: each batch is the stream's next B·S tokens (runs saved before).
+    shuffle_window_tokens: int = 1 << 24
     # Validation documents (train.eval_every): a fraction of this corpus's documents held
     # out of training (chosen by a hash of the document index and data.seed: the same
     # split on every process and every resume), or a prepared corpus of its own.
@@ -199,6 +203,9 @@ class DataConfig:
             raise ConfigError(f"data.seed: {self.seed} must be in [0, 2**32)")
         if self.prefetch < 0:
             raise ConfigError(f"data.prefetch: {self.prefetch} must be >= 0")
+        if self.shuffle_window_tokens < 0:
+            raise ConfigError(f"data.shuffle_window_tokens: {self.shuffle_window_tokens} must "
+                              "be >= 0 (0: no shuffle across batches)")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction: {self.validation_fraction} must be in "
                               "[0, 1)")

@@ -227,6 +227,79 @@ def test_state_from_another_pipeline_is_refused_naming_what_changed_and_the_way_
         iterator(other).set_state(state)
 
 
+WINDOW = 2  # batches whose pieces are shuffled together: two windows an epoch
+
+
+def documents_per_batch(batches):
+    return [len(np.unique(b["tokens"] // STRIDE)) for b in batches]
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_a_window_holds_the_streams_tokens_once_and_its_batches_mix_documents(
+        corpus, two_epochs, balance):
+    windowed = take(iterator(corpus, window_batches=WINDOW, balance=balance),
+                    2 * EPOCH_BATCHES)
+    for w in range(2 * EPOCH_BATCHES // WINDOW):  # the same tokens as the stream's window
+        span = slice(w * WINDOW, (w + 1) * WINDOW)
+        np.testing.assert_array_equal(
+            np.sort(np.concatenate([b["tokens"].ravel() for b in windowed[span]])),
+            np.sort(np.concatenate([b["tokens"].ravel() for b in two_epochs[span]])))
+    for batch in windowed:  # pieces of at most a row, each a document's consecutive tokens
+        for tokens_S, seg_S, pos_S in zip(batch["tokens"], batch["segment_ids"],
+                                          batch["positions"]):
+            for seg in np.unique(seg_S):
+                piece = tokens_S[seg_S == seg]
+                assert len(np.unique(piece // STRIDE)) == 1
+                np.testing.assert_array_equal(np.diff(piece), 1)
+                np.testing.assert_array_equal(pos_S[seg_S == seg], np.arange(len(piece)))
+    # drawn across the window: more documents a batch than the stream's next rows hold
+    assert np.mean(documents_per_batch(windowed)) > np.mean(documents_per_batch(two_epochs))
+
+
+@pytest.mark.parametrize("consumed", [1, 2, 5])
+def test_a_state_inside_a_window_resumes_exactly(corpus, consumed):
+    it = iterator(corpus, window_batches=3)
+    want = take(it, 8)
+    it = iterator(corpus, window_batches=3)
+    take(it, consumed)
+    restored = iterator(corpus, window_batches=3)
+    restored.set_state(json.loads(json.dumps(it.get_state())))
+    for a, b in zip(want[consumed:], take(restored, 8 - consumed)):
+        for key in a:
+            np.testing.assert_array_equal(b[key], a[key])
+    assert restored.stats.batch == 7
+
+
+def test_a_state_saved_before_windows_names_the_setting_that_resumes_it(corpus):
+    state = iterator(corpus).get_state()
+    with pytest.raises(DataError, match=re.escape(
+            "shuffle_window None → 2. It was saved before batches were shuffled across a "
+            "window: resume it with --set data.shuffle_window_tokens=0")):
+        iterator(corpus, window_batches=2).set_state(state)
+
+
+def test_the_default_runs_batches_mix_documents_and_validation_spans_the_held_out_files():
+    """configs/tiny-cpu.yaml: no batch of its 200 steps is more than half one file (the
+    stream's order made twelve batches in a row of one 68K-token script), and its
+    validation batches draw from most of the 20 held-out files, not the head of one."""
+    cfg = load_config(config_path("tiny-cpu.yaml"))
+    it = data_sources.batch_iterator_for(cfg)
+    for _ in range(cfg.train.steps):
+        batch = next(it)
+        tokens_Z = np.concatenate([np.bincount(seg_S)[1:] for seg_S in batch["segment_ids"]])
+        per_document = np.bincount(it.stats.documents_Z, weights=tokens_Z)
+        assert per_document.max() <= batch["tokens"].size / 2, it.stats.batch
+    it.close()
+    held_out = data_sources.split_documents(len(data_sources.open_corpus(cfg)),
+                                            cfg.data.validation_fraction, cfg.data.seed)[1]
+    validation = data_sources.validation_iterator_for(cfg)
+    seen = set()
+    for _ in range(cfg.train.eval_batches):
+        next(validation)
+        seen |= set(validation.stats.documents_Z.tolist())
+    assert seen <= set(held_out.tolist()) and len(seen) >= 0.6 * len(held_out)
+
+
 def test_max_documents_uses_the_first_documents(corpus):
     for batch in take(iterator(corpus, max_documents=5), 3):
         assert batch["tokens"].max() < 5 * STRIDE

@@ -104,6 +104,22 @@ def test_resume_continues_exactly(corpora):
         mixture(corpora, weights=(0.6, 0.4)).set_state(state)
 
 
+def test_a_window_keeps_every_batchs_shares_and_resumes_exactly_inside_it(corpora):
+    it = mixture(corpora, window_batches=4)
+    want = []
+    for b in range(10):
+        tokens = next(it)["tokens"]
+        small = int((tokens >= SOURCE).sum())
+        assert small == batch_plan.shares(np.array([0.7, 0.3]), b, ROWS * S)[1]
+        want.append(tokens)
+        if b == 5:  # inside the second window
+            state = it.get_state()
+    fresh = mixture(corpora, window_batches=4)
+    fresh.set_state(state)
+    for tokens in want[6:]:
+        np.testing.assert_array_equal(next(fresh)["tokens"], tokens)
+
+
 def test_balancing_still_evens_the_attention_cost(corpora):
     costs = {}
     for balance in (True, False):

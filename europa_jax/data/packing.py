@@ -13,10 +13,10 @@ full, so token counts per rank are equal by construction.
 Shape suffixes (europa_jax/__init__.py): X the chunk's pieces in stream order, Z placed
 pieces, B rows, J ranks, S seq_len.
 
-* a *chunk* is the next B·S tokens of the shuffled document stream: whole documents,
-  possibly starting with the rest of a document cut at the previous batch and ending
-  with the head of one cut here.  Every global batch is exactly one chunk, whatever
-  the layout, which is what makes "no token lost or duplicated" hold by construction.
+* a *chunk* is one global batch's B·S tokens as pieces of documents (batch_plan.py: the
+  next tokens of the shuffled document stream, or pieces drawn from a shuffled window of
+  them).  Every global batch is exactly one chunk, whatever the layout, which is what
+  makes "no token lost or duplicated" hold by construction.
 * a *placement* says: tokens [offset, offset + length) of chunk piece c go to row r.
 """
 

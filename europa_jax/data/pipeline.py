@@ -1,8 +1,9 @@
 """Training input pipeline on Grain: shuffled documents → balanced packed rows → this process.
 
     MapDataset.range(docs).shuffle(seed).repeat()      a fresh permutation every epoch
-      → _PlanDataset          next B·S tokens of the stream, packed into B rows and laid
-                              out over J ranks (lengths only: no tokens are read)
+      → _PlanDataset          B·S tokens of the stream (pieces of a window of batches,
+                              shuffled), packed into B rows and laid out over J ranks
+                              (lengths only: no tokens are read; batch_plan.py)
       → .map(_ReadRows)       this process's rows: tokens, segment_ids, positions
       → ThreadPrefetch        batches are made while the step runs
       → BatchIterator         what the loop holds: __next__, .stats, get_state/set_state
@@ -14,9 +15,12 @@ are device-major (row r lives on rank r // (B / J)); process i holds ranks
 `jax.make_array_from_process_local_data` expects for a batch sharded over (data, expert).
 
 Per row (B rows of this process, S = seq_len):
-* ``tokens_BS``: every global batch is exactly the next B·S tokens of the shuffled
-  stream, so within an epoch no token is lost or duplicated.  A document longer than a
-  row, or one that does not fit, is split; a piece never shares a segment with another.
+* ``tokens_BS``: the global batches of a window (`window_batches`, data.shuffle_window_tokens)
+  are exactly the window's next W·B·S tokens of the shuffled stream, cut into pieces of at
+  most one row and shuffled, so no token is lost or duplicated and a batch mixes many
+  documents even when one document is longer than a batch (W = 0: each batch is the next
+  B·S tokens).  A document longer than a row, or one that does not fit, is split; a piece
+  never shares a segment with another.
 * ``segment_ids_BS``: 1, 2, 3, ... per document piece within a row (0 = padding; rows
   are always full, so it does not occur).
 * ``positions_BS``: position within the piece, restarting at 0 for every piece,
@@ -24,8 +28,9 @@ Per row (B rows of this process, S = seq_len):
 
 Shape suffixes (europa_jax/__init__.py): Z placed pieces, I sources, J ranks.
 
-The iterator state is three integers plus a fingerprint of the pipeline settings; it is
-global (the same on every process), so a run can resume with a different process count.
+The iterator state is three integers (the batch index, and the stream position where its
+window starts) plus a fingerprint of the pipeline settings; it is global (the same on every
+process), so a run can resume with a different process count.
 """
 
 from __future__ import annotations
@@ -89,9 +94,14 @@ class _PlanIterator(grain.DatasetIterator):
             changes = [f"corpus {saved.get(k)} ({was}) → {v} ({', '.join(self._paths)})"
                        if k == "corpus" else f"{k} {saved.get(k)!r} → {v!r}"
                        for k, v in self._fingerprint.items() if saved.get(k) != v]
+            way_on = ("Resume with the data settings it was saved with, or train into a "
+                      "new --run-dir")
+            if "shuffle_window" not in saved and "shuffle_window" in self._fingerprint:
+                way_on = ("It was saved before batches were shuffled across a window: "
+                          "resume it with --set data.shuffle_window_tokens=0, or train into "
+                          "a new --run-dir")
             raise DataError(f"data iterator state was saved for a different pipeline: "
-                            f"{'; '.join(changes)}. Resume with the data settings it was "
-                            "saved with, or train into a new --run-dir")
+                            f"{'; '.join(changes)}. {way_on}")
         self._batch = int(state["batch"])
         if "positions" in state:
             self._positions = [int(p) for p in state["positions"]]
@@ -231,34 +241,44 @@ def make_mixture_iterator(sources: list[Source], *, seq_len: int, global_batch_s
                           n_ranks: int = 1, seed: int = 0, balance: bool = True,
                           max_documents: int | None = None, process_index: int = 0,
                           process_count: int = 1, prefetch: int = 2, ranks_per_node: int = 1,
-                          balance_nodes: bool = False) -> BatchIterator:
+                          balance_nodes: bool = False, window_batches: int = 0
+                          ) -> BatchIterator:
     """This process's rows of global batches mixing `sources` by weight (batch_plan.py).
 
     `ranks_per_node`: consecutive ranks of one node (mesh.node_group), for the per-node
     attention cost; `balance_nodes`: balance nodes rather than ranks (attention context
-    parallelism: a node's GPUs share its rows' attention).
+    parallelism: a node's GPUs share its rows' attention); `window_batches`: global batches
+    whose pieces are shuffled together (batch_plan.py; 0: each batch is the stream's next
+    B·S tokens).
     """
     _validate(seq_len=seq_len, global_batch_size=global_batch_size, n_ranks=n_ranks, seed=seed,
               max_documents=max_documents, process_index=process_index,
               process_count=process_count, prefetch=prefetch)
+    if window_batches < 0:
+        raise DataError(f"data.shuffle_window_tokens: a window of {window_batches} batches; "
+                        "expected >= 0")
     if ranks_per_node < 1 or n_ranks % ranks_per_node:
         raise DataError(f"mesh: {ranks_per_node} ranks per node (of mesh.expert within "
                         f"mesh.devices_per_node) do not divide the {n_ranks} ranks")
-    streams, prints = [], []
+    streams, prints, seeds = [], [], []
     for k, source in enumerate(sources):
         # one corpus keeps the seed as it always was; the others derive theirs from it
-        stream, ident = _stream(source, max_documents, (seed + 1_000_003 * k) % 2**32)
+        seeds.append((seed + 1_000_003 * k) % 2**32)
+        stream, ident = _stream(source, max_documents, seeds[-1])
         streams.append(stream)
         prints.append(ident if len(sources) == 1 else {**ident, "weight": source.weight})
     shape = {"seq_len": seq_len, "global_batch_size": global_batch_size, "n_ranks": n_ranks,
              "seed": seed, "balance": balance}
     if balance_nodes:  # only then: fingerprints of runs from before the option stay equal
         shape["balance_nodes"] = ranks_per_node
+    if window_batches:  # likewise: W = 0 is the stream order of runs saved before windows
+        shape["shuffle_window"] = window_batches
     fingerprint = ({**prints[0], **shape} if len(sources) == 1
                    else {"sources": prints, **shape})
     planner = Planner(streams, [s.weight for s in sources], seq_len=seq_len,
                       n_rows=global_batch_size, n_ranks=n_ranks, balance=balance,
-                      ranks_per_unit=ranks_per_node if balance_nodes else 1)
+                      ranks_per_unit=ranks_per_node if balance_nodes else 1,
+                      window_batches=window_batches, shuffle_seeds=seeds)
     rows = global_batch_size // process_count
     paths = [str(s.corpus.path) for s in sources]
     dataset = _PlanDataset(streams[0].order, planner, fingerprint, paths).map(

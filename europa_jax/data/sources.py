@@ -106,7 +106,11 @@ def batch_iterator_for(cfg: Config, *, process_index: int = 0, process_count: in
 def validation_iterator_for(cfg: Config, *, process_index: int = 0, process_count: int = 1
                             ) -> BatchIterator:
     """A fresh iterator over the validation documents (the held-out part of every source,
-    mixed by the same weights, or data.validation_path): the same batches every time."""
+    mixed by the same weights, or data.validation_path): the same batches every time.
+
+    Its window holds every held-out token (up to data.shuffle_window_tokens), so the first
+    batches are pieces drawn from across the held-out documents, not the head of the
+    first few."""
     data = cfg.data
     if data.validation_path:
         sources = [Source(corpus=open_corpus(cfg, data.validation_path))]
@@ -117,6 +121,13 @@ def validation_iterator_for(cfg: Config, *, process_index: int = 0, process_coun
         raise DataError("no validation documents: set data.validation_fraction or "
                         "data.validation_path")
     return _iterator(cfg, sources, process_index, process_count, 0)
+
+
+def _documents(source: Source, cfg: Config) -> np.ndarray:
+    """The corpus indices a source draws from."""
+    if source.documents is not None:
+        return source.documents
+    return np.arange(min(len(source.corpus), cfg.data.max_documents or len(source.corpus)))
 
 
 def _split(cfg: Config, corpus: TokenCorpus) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -140,4 +151,16 @@ def _iterator(cfg: Config, sources: list[Source], process_index: int, process_co
         n_ranks=cfg.mesh.n_devices, seed=data.seed, balance=data.balance,
         max_documents=data.max_documents, process_index=process_index,
         process_count=process_count, prefetch=prefetch, ranks_per_node=cfg.mesh.node_group,
-        balance_nodes=cfg.execution.attention_context_parallel)
+        balance_nodes=cfg.execution.attention_context_parallel,
+        window_batches=window_batches(cfg, sources))
+
+
+def window_batches(cfg: Config, sources: list[Source]) -> int:
+    """Global batches whose pieces are shuffled together: data.shuffle_window_tokens, at most
+    one pass over the sources' documents (a longer window mixes no better and would plan
+    many epochs of a small corpus at once), in whole batches and at least one; 0: none."""
+    if not cfg.data.shuffle_window_tokens:
+        return 0
+    tokens = sum(int(s.corpus.lengths(_documents(s, cfg)).sum()) for s in sources)
+    batch_tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    return max(min(cfg.data.shuffle_window_tokens, tokens) // batch_tokens, 1)

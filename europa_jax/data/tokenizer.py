@@ -4,7 +4,7 @@ Every document gets the end-of-document id appended, so documents stay separable
 they are concatenated on disk and packed into rows.  A tokenizer's identity (kind, file
 checksum, vocabulary size, EOS id) is written to the corpus manifest so training can
 refuse a corpus made with a different tokenizer than the one it was told to expect.
-The `tokenizers` package is an optional dependency (`pip install 'europa-jax[tokenizers]'`).
+The `tokenizers` package is a dependency of europa-jax (imported only for a tokenizer.json).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ class HuggingFaceTokenizer:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError:
             raise DataError(f"{path}: reading a tokenizer.json needs the 'tokenizers' package "
-                            "(pip install 'europa-jax[tokenizers]')") from None
+                            "(a dependency of europa-jax: pip install 'tokenizers>=0.20')"
+                            ) from None
         try:
             raw = path.read_bytes()
             self._tok = _HFTokenizer.from_str(raw.decode("utf-8"))
