@@ -129,7 +129,8 @@ def test_byte_level_export_without_tokenizers_writes_the_model_and_warns(
     assert summary["tokenizer"] is None and not names & TOKENIZER_FILES
     assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= names
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "pip install 'europa-jax[tokenizers]'" in warnings[0]
+    assert len(warnings) == 1 and "pip install 'tokenizers>=0.20'" in warnings[0]
+    assert "export again with --overwrite" in warnings[0]
     assert "\n" not in warnings[0]
 
 

@@ -37,7 +37,7 @@ from europa_jax.data.tokenizer import (BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokeniz
 log = logging.getLogger(__name__)
 
 BYTE_EOS_TOKEN = "<|endoftext|>"
-INSTALL_TOKENIZERS = "pip install 'europa-jax[tokenizers]'"
+INSTALL_TOKENIZERS = "a dependency of europa-jax: pip install 'tokenizers>=0.20'"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -216,7 +216,7 @@ def write_tokenizer_files(out_dir: Path, tok: RunTokenizer, model_max_length: in
         except ImportError:
             log.warning("tokenizer files not written: the byte-level tokenizer.json is built "
                         f"with the 'tokenizers' package ({INSTALL_TOKENIZERS}); export again "
-                        "to add them")
+                        "with --overwrite to add them")
             return []
         (out_dir / "tokenizer.json").write_text(text)
     else:
