@@ -190,3 +190,21 @@ def test_the_text_report_shows_bytes_in_the_unit_that_shows_them():
            "seconds": 5e-5}
     (line,) = report_text._collectives([row], "collectives")[2:]
     assert "1.30 MB" in line and "50.00 µs" in line and " 0.00 " not in line
+
+
+def test_the_text_opens_with_five_lines_and_the_whole_report_renders_from_the_stored_plan():
+    """`plan` without --verbose: fits, HBM, host, step, tokens/s/GPU, read from the stored
+    europa-952b plan (the one the README's headline is checked against)."""
+    from pathlib import Path
+
+    from europa_jax.plan import report_text
+
+    r = json.loads((Path(__file__).parent / "data" / "europa-952b-plan-long-tail.json"
+                    ).read_text())
+    lines = report_text.format_summary(r).splitlines()
+    assert len(lines) == 5 and lines[0].endswith("fits yes")
+    assert lines[1].split()[:3] == ["HBM", "per", "GPU"] and "88.32 GB" in lines[1]
+    assert f"{r['estimate']['range']['expected']['tokens_per_s_per_gpu']:,.0f} expected" \
+        in lines[4]
+    whole = report_text.format_report(r)
+    assert len(whole.splitlines()) > 50 and "InfiniBand" in whole

@@ -334,7 +334,32 @@ def _kernels(checks: list[dict]) -> list[str]:
     return lines
 
 
+def format_summary(r: dict[str, Any]) -> str:
+    """The plan in five lines (fits, HBM, host, step, tokens/s/GPU): what `plan` prints
+    without --verbose."""
+    c, per, budget = r["compiled"], r["per_device"], r["budget"]
+    target = ("this machine's CPUs (priced for GH200)" if r["target"] == "cpu"
+              else f"{r['target']}, compiled without a GPU")
+    peak = lambda key: size(per[key]) if per.get(key) is not None else "n/a"
+    lines = [f"plan: {r['config']} on {r['devices']} devices ({target}): fits "
+             f"{'yes' if r['fits'] else 'NO'}",
+             f"  HBM per GPU   {peak('hbm_peak_bytes')} of {size(budget['hbm_bytes'])}",
+             f"  host per GPU  {peak('host_peak_bytes')} of {size(budget['host_bytes'])}"]
+    if c["error"]:
+        return "\n".join(lines + [f"  COMPILE FAILED: {c['error']}"])
+    rng = r["estimate"]["range"]
+    lines += [f"  step          {_s(rng['expected']['step_s'])} expected "
+              f"({_s(rng['high']['step_s']).strip()} – {_s(rng['low']['step_s']).strip()})",
+              f"  tokens/s/GPU  {rng['expected']['tokens_per_s_per_gpu']:,.0f} expected "
+              f"({rng['low']['tokens_per_s_per_gpu']:,.0f} – "
+              f"{rng['high']['tokens_per_s_per_gpu']:,.0f}), MFU "
+              f"{rng['expected']['mfu']:.1%}"]
+    return "\n".join(lines)
+
+
 def format_report(r: dict[str, Any]) -> str:
+    """The whole plan (`plan --verbose`): memory, kernels, FLOPs, collectives, the step's
+    classes and lines."""
     c = r["compiled"]
     gpu = r["target"] != "cpu"
     rows = r["tokens_per_device"] / r["seq_len"]
