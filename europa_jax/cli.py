@@ -102,7 +102,13 @@ def _plan(args: argparse.Namespace, cfg) -> int:
               f"{report_text.size(machine.host_bytes)} of host memory …", file=sys.stderr,
               flush=True)
     report = plan.plan(cfg, corpus=args.corpus, documents_model=args.documents, **options)
-    print(json.dumps(report, indent=2) if args.json else report_text.format_report(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif args.verbosity == "verbose":
+        print(report_text.format_report(report))
+    else:
+        print(report_text.format_summary(report) + "\n(all of it: --verbose; every figure: "
+              "--json; how to read it: docs/plan.md)")
     return exit_codes.CRASH if report["compiled"]["error"] else exit_codes.OK
 
 
@@ -174,6 +180,18 @@ def _main(argv: list[str] | None) -> int:
     logs.configure(args.verbosity)
     if args.command == "report":  # no jax
         return _report(args)
+    if args.command == "train":  # a stop request is honoured from here, before jax starts
+        from europa_jax.run import fault_injection, outcome  # no jax
+
+        def train() -> int:
+            fault_injection.signal_at("startup")  # a test's stop request at this point
+            return _command(args)
+
+        return outcome.stoppable(train)
+    return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command != "plan":  # plan chooses the platform first (_plan)
         jax_start.default_to_cpu_without_driver()
     try:
@@ -190,6 +208,10 @@ def _main(argv: list[str] | None) -> int:
 
             return command.run(args)
         cfg = load_config(args.config, args.set)
+        if args.command == "train":
+            from europa_jax.run import outcome
+
+            outcome.run_dir_known(args.run_dir or cfg.train.run_dir)
         if args.command == "import":
             from europa_jax.interop.hf_import import import_hf
             from europa_jax.job import distributed
@@ -216,7 +238,8 @@ def _main(argv: list[str] | None) -> int:
         from europa_jax.job import distributed
 
         distributed.start(cfg.mesh)  # joins the job's other processes (Slurm, local.sh)
-        return run_training(cfg, args.run_dir, start_over=args.start_over)
+        return run_training(cfg, args.run_dir, start_over=args.start_over,
+                            rollback_to=args.rollback_to)
     except (ConfigError, DataError, FileNotFoundError) as e:
         _error(e)
         return exit_codes.BAD_INPUT
@@ -240,14 +263,15 @@ def _export(args) -> int:
     return exit_codes.OK
 
 
-def run_training(cfg, run_dir: str | None, *, start_over: bool = False) -> int:
+def run_training(cfg, run_dir: str | None, *, start_over: bool = False,
+                 rollback_to: int | None = None) -> int:
     """Train and map the outcome to an `exit_codes` value (also used by multi-process
     launchers): run/outcome.py, with the downstream tasks of `train.eval_tasks`."""
     from europa_jax.run import outcome
 
     # the tasks are found and loaded before the run directory is touched
     return outcome.train_to_exit_code(cfg, run_dir, tasks=task_evaluation(cfg),
-                                      start_over=start_over)
+                                      start_over=start_over, rollback_to=rollback_to)
 
 
 def task_evaluation(cfg):

@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--start-over", action="store_true",
                        help="start at step 0 in a run directory whose checkpoints are all "
                        "gone or set aside (refused otherwise; the old metrics are kept)")
+    train.add_argument("--rollback-to", type=int, metavar="STEP",
+                       help="resume from checkpoint STEP, not the latest: the later ones "
+                       "are moved to rolled_back_checkpoints/ (a run that kept spiking, "
+                       "e.g. with a lower --set optim.learning_rate=…)")
 
     export = command("export", help="checkpoint → Hugging Face DeepseekV3 safetensors")
     export.add_argument("run_dir", help="the run's directory (checkpoints/ in it)")

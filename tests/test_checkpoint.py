@@ -501,7 +501,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(small, tmp_path,
         key = "params.moe_layers.moe.w_up"
         meta["fingerprint"][key] = (meta["fingerprint"][key] + 1) % 2**32
         meta_path.write_text(json.dumps(meta))
-    for path in state_files(tmp_path, 2) if damage != "fingerprint" else []:
+    damaged = state_files(tmp_path, 2) if damage != "fingerprint" else []
+    for path in damaged:
         data = bytearray(path.read_bytes())
         if damage == "truncate":
             path.write_bytes(data[: len(data) // 2])
@@ -514,6 +515,10 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(small, tmp_path,
     assert restored.step == 1 and restored.data_state == {"at": 1}
     assert [e["event"] for e in log] == ["checkpoint_skipped", "checkpoint_restored"]
     assert log[0]["step"] == 2
+    if damage != "fingerprint":  # the damaged file named, not a cut-off TensorStore repr
+        named = log[0]["error"].split(" reading ")[1].split(" (damaged")[0]
+        assert named in {str(p.relative_to(checkpoint.checkpoint_dir(tmp_path)))
+                         for p in damaged}, log[0]["error"]
     assert checkpoint.committed_steps(tmp_path) == [1]  # step 2 set aside, not deleted
     assert len(list((tmp_path / checkpoint.CORRUPT_SUBDIR).iterdir())) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.state.params),

@@ -9,8 +9,9 @@ import statistics
 import pytest
 from matplotlib.image import imread
 
-from europa_jax.records.report import (PLOTS, ReportError, format_summary, load_run, write_report,
-                                   _plot_loss)
+from europa_jax.records.report import (ReportError, format_summary, load_run, summarize,
+                                       write_report)
+from europa_jax.records.report_plots import PLOTS, _plot_loss
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SEQ_LEN, BATCH = 64, 4
@@ -218,3 +219,35 @@ def test_minimal_run_without_validation_layers_events_or_config(tmp_path):
     assert "tokens seen: n/a" in text and "median MFU: n/a" in text
     assert ("skipped plots (no data): attention_logits.png, attention_balance.png, "
             "eval_tasks.png") in text and "downstream tasks: n/a" in text
+
+
+def test_tries_restarts_and_spike_rollbacks_are_counted_apart(tmp_path):
+    """3 tries are 2 restarts; a spike's rollback restores a checkpoint within its try (a
+    `checkpoint_restored` event like a resume's) and is counted with the steps it ran
+    again, not as a restart (issue 61: "restarts: 3" for 3 tries, no rollback said)."""
+    run = make_run(tmp_path, extras=False)
+    _write_lines(run / "events.jsonl", [
+        {"event": "checkpoint_restored", "step": 10, "time": 1.7e9},  # try 2's resume
+        {"event": "checkpoint_restored", "step": 20, "time": 1.7e9 + 50},  # a rollback
+        {"event": "loss_spike", "step": 28, "rolled_back_to": 20, "time": 1.7e9 + 51},
+        {"event": "loss_spike", "step": 3, "rolled_back_to": 0, "time": 1.7e9 + 52},
+        {"event": "grad_norm_spike", "step": 25, "time": 1.7e9 + 53},
+        {"event": "checkpoint_restored", "step": 20, "time": 1.7e9 + 90}])  # try 3's
+    s = summarize(load_run(run))
+    assert s["restarts"] == 2 and s["tries"] is None  # no timeline: the resumes
+    assert s["rollbacks"] == [{"step": 28, "to": 20, "steps_lost": 8},
+                              {"step": 3, "to": 0, "steps_lost": 3}]
+    assert s["grad_norm_excursions"] == [25]
+    text = format_summary(s)
+    assert "restarts: 2\n" in text
+    assert "spike rollbacks: 2, 11 steps run again (step 28 → 20, step 3 → 0)" in text
+    assert "gradient-norm excursions (logged, not rolled back): 25" in text
+    # with the timeline, its tries: a try that restored nothing (killed before it) counts
+    _write_lines(run / "timeline.jsonl", [
+        {"try": t, "phase": "step", "step": 1, "start": 100.0 * t, "end": 100.0 * t + 1}
+        for t in range(3)])
+    s = summarize(load_run(run))
+    assert (s["tries"], s["restarts"]) == (3, 2)
+    assert "restarts: 2 (3 tries)" in format_summary(s)
+    (run / "events.jsonl").unlink()
+    assert "spike rollbacks: none" in format_summary(summarize(load_run(run)))

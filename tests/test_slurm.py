@@ -100,7 +100,7 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
     run_dir = tmp_path / "run"
     job = submit(slurm, job_env, tmp_path)
     wait_for_step(slurm, job, tmp_path, 3)
-    slurm.run("scancel", "--signal=USR1", str(job))  # what --signal=USR1@600 does at the limit
+    slurm.run("scancel", "--signal=USR1", str(job))  # what --signal=USR1@900 does at the limit
     final = slurm.wait(job, lambda j: j["JobState"] in ENDED, timeout=600)
     outputs = show(tmp_path, job)
     print(outputs)

@@ -73,6 +73,8 @@ def test_ctrl_c_typed_at_the_terminal_saves_and_exits_130(tmp_path, cli_env):  #
     assert len(metrics(tmp_path)) == saved >= 3
     assert f"europa-jax: interrupted (Ctrl-C): saved step {saved}; the same command resumes " \
            "from it" in text
+    # on a line of its own, not glued to the progress bar the last step drew (no newline)
+    assert re.search(r"\neuropa-jax: interrupted", text), repr(text[-500:])
     # at a terminal the steps are a progress bar, and log lines start lines of their own
     assert re.search(r"\d+/\d+ \[", text), repr(text[-3000:])
     for line in re.split(r"[\r\n]", text):

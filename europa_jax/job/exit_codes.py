@@ -13,7 +13,8 @@ BAD_INPUT = 2  # config, command line, checkpoint or weights a user must fix, a 
 NONFINITE = 3  # NaN/Inf loss or gradient under `checkpoint.nan_policy`, or loss spikes that
 # rolling back did not cure (spikes.py); the last good checkpoint kept
 PREEMPTED = 75  # SIGTERM/SIGUSR1: every process saved the same step; requeue (sysexits EX_TEMPFAIL).
-# Also a hang the watchdog broke (watchdog.py): nothing saved, the requeue resumes from
-# the last checkpoint
+# Also one before the first step (preemption.py) and a hang the watchdog broke
+# (watchdog.py): nothing saved, the requeue resumes from the last checkpoint
 INTERRUPTED = 130  # Ctrl-C (SIGINT; 128 + 2, the shell's code): the step finished and was
-# saved, the same command resumes; a second Ctrl-C quits at once, nothing more saved
+# saved, the same command resumes; before the first step, or a second Ctrl-C, it quits at
+# once, nothing more saved

@@ -8,7 +8,7 @@ and `timeline.jsonl` (the goodput, goodput.py). Writes to `<run_dir>/report/` (o
 attention_balance.png, eval_tasks.png — each skipped when the run has none of its data —
 and summary.txt.
 
-Plots use matplotlib's `Figure` + Agg canvas directly: no pyplot global state, no display.
+The plots are report_plots.py's.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from europa_jax.records import goodput
 
@@ -183,111 +180,10 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-# ----------------------------------------------------------------------------- plots
-
-def _figure(title: str, panels: list[Panel]) -> Figure | None:
-    """One panel per entry with data; None when no panel has any."""
-    panels = [(ylabel, kept, log) for ylabel, lines, log in panels
-              if (kept := [line for line in lines if line[1]])]
-    if not panels:
-        return None
-    fig = Figure(figsize=(8, 1.2 + 2.6 * len(panels)), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (ylabel, lines, log) in zip(axes, panels):
-        for label, steps, values in lines:
-            # A lone point draws no line segment: give it a marker.
-            ax.plot(steps, values, label=label, lw=1.2, marker="o" if len(steps) < 3 else None)
-        if log and all(v > 0 for _, _, values in lines for v in values):
-            ax.set_yscale("log")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if 1 < len(lines) <= 16:  # beyond that a legend hides the plot
-            ax.legend(fontsize="small", ncol=min(len(lines), 4))
-    axes[0].set_title(title)
-    axes[-1].set_xlabel("step")
-    return fig
-
-
-def _plot_loss(run: Run) -> Figure | None:
-    train = _line(run.train, "loss", "train loss")
-    val = _line(run.validation, "val_loss", "validation loss")
-    fig = _figure("Loss", [("loss", [train if train[1] else val], False),
-                           # model.mtp_layers > 0 only: the panel is left out otherwise
-                           ("multi-token prediction loss", [_line(run.train, "mtp_loss")],
-                            False)])
-    if train[1] and val[1]:  # validation is sparse: markers, not a line
-        fig.axes[0].plot(val[1], val[2], "o", label=val[0])
-        fig.axes[0].legend(fontsize="small")
-    return fig
-
-
-def _plot_experts(run: Run) -> Figure | None:
-    moe = _moe_layer_name(run)
-    load = (_layer_lines(run.train, "expert_load_max_over_mean_per_layer", moe)
-            or [_line(run.train, "expert_load_max_over_mean", "all layers")])
-    return _figure("MoE expert load and router bias", [
-        ("expert load max/mean", load, False),
-        ("router bias spread", _layer_lines(run.train, "router_bias_spread_per_layer", moe),
-         False),
-        # model.seq_aux_loss_weight > 0 only: the panel is left out otherwise
-        ("sequence-wise balance loss", [_line(run.train, "seq_aux_loss")], False)])
-
-
-def _plot_attention_logits(run: Run) -> Figure | None:
-    """The step's largest attention logit per layer (QK-clip's S_max) and heads clipped."""
-    per_layer = (_layer_lines(run.train, "attention_logit_max_per_layer",
-                              _layer_name(_config_section(run, "model"), 0))
-                 or [_line(run.train, "attention_logit_max", "all layers")])
-    # without a threshold nothing is clipped: an all-zero panel would only say that
-    clipping = (not run.config
-                or _config_section(run, "optim").get("qk_clip_threshold") is not None)
-    return _figure("Attention max logit (before the step's QK-clip)" if clipping
-                   else "Attention max logit (QK-clip off)", [
-        ("max logit", per_layer, False),
-        ("heads clipped", [_line(run.train, "qk_clip_heads_clipped")] if clipping else [],
-         False)])
-
-
 def _task_scores(record: dict) -> dict[str, float]:
     """`{"task/metric": value}` of a downstream-task record."""
     return {k[len(TASK_PREFIX):]: v for k, v in record.items()
             if k.startswith(TASK_PREFIX) and _num(v) is not None}
-
-
-def _plot_tasks(run: Run) -> Figure | None:
-    """One panel per downstream task, a line per metric, over the steps evaluated."""
-    metrics: dict[str, list[str]] = {}
-    for record in run.tasks:
-        for name in _task_scores(record):
-            task, _, metric = name.partition("/")
-            if metric not in metrics.setdefault(task, []):
-                metrics[task].append(metric)
-    return _figure("Downstream tasks (train.eval_tasks)", [
-        (task if len(names) > 1 else f"{task}\n{names[0]}",
-         [_line(run.tasks, f"{TASK_PREFIX}{task}/{m}", m) for m in names], False)
-        for task, names in metrics.items()])
-
-
-PLOTS: dict[str, Callable[[Run], Figure | None]] = {
-    "loss.png": _plot_loss,
-    "lr.png": lambda run: _figure("Learning rate", [("lr", [_line(run.train, "lr")], False)]),
-    "grad_norm.png": lambda run: _figure(
-        "Gradient norm", [("grad norm", [_line(run.train, "grad_norm")], True)]),
-    "throughput.png": lambda run: _figure("Throughput (compiled steps excluded)", [
-        ("tokens/s/device", [_line(_timed(run), "tokens_per_s_per_device")], False),
-        # in percent, as the summary gives it
-        ("MFU (%)", [_line(_timed(run), "mfu", "MFU",
-                           lambda r: 100 * r["mfu"] if _num(r.get("mfu")) is not None
-                           else None)], False)]),
-    "experts.png": _plot_experts,
-    "attention_logits.png": _plot_attention_logits,
-    "attention_balance.png": lambda run: _figure("Attention cost balance", [
-        ("attention cost max/mean", [
-            _line(run.train, "attention_cost_max_over_mean", "per rank"),
-            _line(run.train, "node_attention_cost_max_over_mean", "per node")], False)]),
-    "eval_tasks.png": _plot_tasks,
-}
 
 
 # ----------------------------------------------------------------------------- summary
@@ -327,13 +223,40 @@ def summarize(run: Run) -> dict:
         "median_mfu": _median(_timed(run), "mfu"),
         "checkpoints_saved": sorted(saved),
         "checkpoints_failed": sorted(failed),
-        "restarts": sum(e.get("event") == "checkpoint_restored" for e in run.events),
+        **_tries(run),
         "preemptions": sum(e.get("event") == "preempted" for e in run.events),
         "nonfinite_steps": sorted(nonfinite),
         "eval_tasks_step": _step(run.tasks[-1]) if run.tasks else None,
         "eval_tasks": _task_scores(run.tasks[-1]) if run.tasks else {},
         "goodput": run.goodput,
     }
+
+
+def _tries(run: Run) -> dict:
+    """Tries, restarts (tries after the first) and spike rollbacks (spikes.py).
+
+    A rollback restores a checkpoint within its try (a `checkpoint_restored` event like a
+    resume's) and runs the steps after it again: counted as a rollback and the steps it
+    cost, not as a restart. The tries are the timeline's; without one, the resumes."""
+    rollbacks = [{"step": step, "to": int(to), "steps_lost": step - int(to)}
+                 for e in run.events if e.get("event") == "loss_spike"
+                 and (step := _step(e)) is not None
+                 and _num(to := e.get("rolled_back_to")) is not None]
+    restored = sum(e.get("event") == "checkpoint_restored" for e in run.events)
+    resumes = max(0, restored - sum(r["to"] > 0 for r in rollbacks))  # to 0: no restore
+    tries = len(run.goodput["tries"]) if run.goodput and run.goodput.get("tries") else None
+    excursions = sorted({s for e in run.events if e.get("event") == "grad_norm_spike"
+                         and (s := _step(e)) is not None})
+    return {"tries": tries, "restarts": tries - 1 if tries else resumes,
+            "rollbacks": rollbacks, "grad_norm_excursions": excursions}
+
+
+def _rollbacks_line(rollbacks: list[dict]) -> str:
+    if not rollbacks:
+        return "spike rollbacks: none"
+    lost = sum(r["steps_lost"] for r in rollbacks)
+    return (f"spike rollbacks: {len(rollbacks)}, {lost} steps run again ("
+            + ", ".join(f"step {r['step']} → {r['to']}" for r in rollbacks) + ")")
 
 
 def _fmt(value: Any, spec: str = ".4g", suffix: str = "") -> str:
@@ -360,7 +283,11 @@ def format_summary(summary: dict) -> str:
         f"median MFU: {_fmt(s['median_mfu'], '.2%')}",
         f"checkpoints saved: {_steps(s['checkpoints_saved'])}",
         f"checkpoints failed: {_steps(s['checkpoints_failed'])}",
-        f"restarts: {s['restarts']}",
+        f"restarts: {s['restarts']}"
+        + (f" ({s['tries']} {'try' if s['tries'] == 1 else 'tries'})" if s.get("tries") else ""),
+        _rollbacks_line(s.get("rollbacks", [])),
+        "gradient-norm excursions (logged, not rolled back): "
+        + _steps(s.get("grad_norm_excursions", [])),
         f"preemptions: {s['preemptions']}",
         f"non-finite steps: {_steps(s['nonfinite_steps'])}",
         _tasks_line(s),
@@ -386,6 +313,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
+    from europa_jax.records.report_plots import PLOTS  # matplotlib: only to draw
+
     plots, skipped = [], []
     for name, plot in PLOTS.items():
         fig = plot(run)

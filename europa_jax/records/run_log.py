@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -205,10 +206,22 @@ def _close_bar(bar) -> None:
             handler.setStream(handler.stream.stream)
 
 
+MIN_BAR_COLUMNS = 40  # "12/200 [00:03<00:50, 3.5step/s, loss=2.345]" needs about this
+
+
+def terminal_columns() -> int:
+    """stderr's terminal width (0 when it cannot be read)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def progress(total: int):
     """A tqdm bar on a terminal, updated every step; `logged(record)` logs a line otherwise
-    (and on a terminal only with --verbose, so the bar stays readable)."""
-    if sys.stderr.isatty():
+    (and on a terminal only with --verbose, so the bar stays readable). A terminal too
+    narrow for a bar (a pseudo-terminal nobody sized reports 0 columns) gets the lines."""
+    if sys.stderr.isatty() and terminal_columns() >= MIN_BAR_COLUMNS:
         bar = None
 
         def update(step, metrics):
@@ -217,6 +230,8 @@ def progress(total: int):
                 return _close_bar(bar)
             if bar is None:  # made after the first step: its rate, not the compile, sets the ETA
                 bar = _open_bar(total, step)  # the steps done before this one
+            elif step < bar.n:  # a spike's rollback: the bar goes back with the step count
+                bar.n = bar.last_print_n = step  # (the rate is of the steps since)
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", refresh=False)
             bar.update(1)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from europa_jax.config import ConfigError
-from europa_jax.job.preemption import Preempted
+from europa_jax.job.preemption import Preempted, StopBeforeFirstStep
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class WandB:
         if self._run is None:
             return
         try:
-            if isinstance(exc, Preempted):  # W&B shows "preempted", not "failed"
+            # W&B shows "preempted", not "failed" (also when stopped during the compile)
+            if isinstance(exc, (Preempted, StopBeforeFirstStep)):
                 self._run.mark_preempting()
             self._run.finish(exit_code=0 if exc is None else 1)
             # finish can return before wandb's service process has written the run's

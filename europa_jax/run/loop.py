@@ -26,12 +26,13 @@ from europa_jax.config_loader import to_dict
 from europa_jax.data import pipeline, sources as data_sources
 from europa_jax.data.corpus import DataError
 from europa_jax.store import checkpoint, compile_cache, history, resume_changes, run_lock
-from europa_jax.job import distributed, logs, peer_lost
-from europa_jax.run import fault_injection, step_hooks
+from europa_jax.job import distributed, logs, peer_lost, preemption
+from europa_jax.run import fault_injection, spikes as spike_guard, step_hooks
 from europa_jax.records import run_log, timeline, trackers
 from europa_jax.run.guards import NonFiniteGuard, NonFiniteStop, SaveGuard  # noqa: F401
-from europa_jax.job.preemption import Preempted, StopRequests
+from europa_jax.job.preemption import Preempted, StopBeforeFirstStep, StopRequests
 from europa_jax.run.profiler import Profiler
+from europa_jax.run.start_phases import StartPhases
 from europa_jax.records.run_log import EventLog, MetricsLog
 from europa_jax.run.spikes import SpikeGuard
 from europa_jax.run.step_hooks import Action, StepRecords, StepTaken
@@ -75,7 +76,8 @@ class PeriodicEvaluation(Protocol):
 
 
 def train(cfg: Config, run_dir: str | Path | None = None, *,
-          tasks: PeriodicEvaluation | None = None, start_over: bool = False) -> list[dict]:
+          tasks: PeriodicEvaluation | None = None, start_over: bool = False,
+          rollback_to: int | None = None) -> list[dict]:
     """Run to `cfg.train.steps`, resuming from the run directory's latest valid checkpoint.
 
     `tasks` runs `train.eval_tasks` (cli.py makes it: eval/during_training.py); a config
@@ -101,6 +103,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, *,
     if jax.process_count() > 1:
         peer_lost.watch(run_dir, jax.process_index())  # where a lost peer is reported
     with run_lock.hold(run_dir, "train"):  # before anything is written there
+        if rollback_to is not None:  # `train --rollback-to STEP` (spikes.py)
+            spike_guard.roll_back_to(run_dir, rollback_to, is_primary)
         # checkpoints set aside by an earlier try leave none: a requeue must not start over
         found = ([] if checkpoint.committed_steps(run_dir)
                  else history.check_start(run_dir, start_over))
@@ -121,10 +125,19 @@ def _train(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                             process_count=jax.process_count(),
                             events=events if is_primary else None, before_exit=clock.close)
     clock.listeners.append(watchdog.on_phase)
+    stops = preemption.current()  # the CLI's: a stop before the first step ends the run
+    if stops is not None:
+        clock.listeners.append(stops.on_phase)  # the phase its line names
+        stops.events, stops.before_exit = (events if is_primary else None), clock.close
+    clock.listeners.append(fault_injection.signal_at)  # a test's signal at a phase
     with watchdog if cfg.train.hang_watchdog else contextlib.nullcontext():
         try:
             return _steps(cfg, run_dir, host_batches, validation, tasks, events, clock,
                           watchdog, starting_over)
+        except StopBeforeFirstStep:
+            if stops is not None:
+                stops.record()  # while the run lock is held
+            raise
         finally:
             clock.close()
 
@@ -146,7 +159,7 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
     state, start_step = _resume(cfg, run_dir, ckpt, trainer, events, host_batches,
                                 starting_over, start)
     step_fn, executable = jit_train_step(trainer), None
-    spikes = SpikeGuard(cfg.checkpoint, cfg.model.vocab_size)
+    spikes = SpikeGuard.for_run(cfg, run_dir, start_step, events)  # the saved window
     profiler = Profiler(cfg, run_dir)
     faults = fault_injection.Faults(jax.process_index())
     # one process has no one to straggle behind
@@ -296,40 +309,12 @@ def _compile(cfg: Config, run_dir: Path, step_fn, state, batch, clock: timeline.
             jax.device_count(), compile_cache.cache_dir(cfg.train.compile_cache_dir, run_dir)))
     compiled = compile_cache.compile_step(step_fn, state, batch,
                                           barrier_timeout_s=distributed.init_timeout_s())
+    if preemption.current() is not None:  # from here a stop saves the first step (the loop)
+        preemption.current().first_step()
     start.compile(compiled, clock.phase("step", done))
     if is_primary:
         log.info(compile_cache.outcome(compiled, start.compile_s))
     return compiled.executable
-
-
-class StartPhases:
-    """How long this try took to reach its first step: the `start_phases` event."""
-
-    def __init__(self, startup_s: float):
-        self.startup_s, self.restore_s, self.compile_s = startup_s, None, None
-        self.restored = False  # a fresh start initializes instead
-        self.compile_cache_hit, self.compile_wait_s, self.first_step_s = None, None, None
-
-    def compile(self, compiled: compile_cache.Compiled, phase_s: float) -> None:
-        self.compile_s, self.compile_cache_hit = phase_s, compiled.cache_hit
-        self.compile_wait_s = compiled.waited_s
-
-    def fields(self) -> dict:
-        return {"startup_s": self.startup_s, "distributed_join_s": distributed.join_seconds(),
-                "restored": self.restored, "restore_s": self.restore_s,
-                "compile_s": self.compile_s,
-                "compile_cache_hit": self.compile_cache_hit,
-                "compile_wait_s": self.compile_wait_s, "first_step_s": self.first_step_s}
-
-    def line(self, step: int) -> str:
-        joined = distributed.join_seconds()
-        joined = f" (joining the job {joined:.1f} s)" if joined is not None else ""
-        cache = "a compile-cache hit" if self.compile_cache_hit else "compiled"
-        return (f"start: process start to the trainer {self.startup_s:.1f} s{joined}, "
-                f"{'restore' if self.restored else 'initialize'} {self.restore_s:.1f} s, "
-                f"compile {self.compile_s:.1f} s ({cache}; "
-                f"then {self.compile_wait_s:.1f} s waiting for the job), first step "
-                f"{self.first_step_s:.2f} s (step {step})")
 
 
 def _save(ckpt: checkpoint.Checkpointer, saves: SaveGuard, spikes: SpikeGuard,
@@ -338,25 +323,33 @@ def _save(ckpt: checkpoint.Checkpointer, saves: SaveGuard, spikes: SpikeGuard,
     """A save verdict's save: "periodic", "final" or "preempted"."""
     clock.phase("checkpoint")
     saves.check(wait=True)  # one save at a time: the one before must be done
-    ckpt.save(done, state, data_state, reason=reason)
+    # the spike window goes with the weights: a resume or a rollback judges by it
+    ckpt.save(done, state, data_state, reason=reason,
+              extra={spike_guard.WINDOW_KEY: spikes.window_to_save()})
     events("checkpoint_saving", step=done, reason=reason)
-    spikes.saved()
+    spikes.saved(done)
 
 
 def _roll_back(ckpt, saves, spikes: SpikeGuard, trainer, cfg: Config, events: EventLog,
                done: int, why: str):
     """After a spike at step `done`: the last checkpoint's state (or the initial one if
-    none was saved yet) and its step; the data stream goes on after the spiking batch."""
+    none is left) and its step; the data stream goes on after the spiking batch. A
+    checkpoint the guard blames (spikes.py: its retry spiked again) is set aside first."""
     saves.check(wait=True)  # a save in flight is of a state before the spike: let it land
-    last_good = (checkpoint.committed_steps(ckpt.run_dir) or [None])[-1]
-    spikes.rolled_back(done, why, last_good)  # raises SpikeStop past the limit
-    restored = ckpt.restore_latest(events) if last_good else None
+    committed = checkpoint.committed_steps(ckpt.run_dir)
+    # raises SpikeStop past the limit, after setting aside the provisional checkpoints
+    kept = spikes.rolled_back(done, why, committed, ckpt.set_aside)
+    restored = ckpt.restore_latest(events) if kept else None
     target = restored.step if restored else 0
+    aside = sorted(set(committed) - set(kept))
     events("loss_spike", f"step {done}: {why}: rolled back to "
            + (f"the checkpoint of step {target}" if restored else "the initial weights")
+           + (f" (checkpoint(s) {', '.join(map(str, aside))} set aside: restored once "
+              "already, they spiked again before settling)" if aside else "")
            + f"; training goes on with the batches after step {done}'s",
-           level=logging.WARNING, step=done, reason=why, rolled_back_to=target)
-    spikes.restored(target)
+           level=logging.WARNING, step=done, reason=why, rolled_back_to=target,
+           set_aside=aside)
+    spikes.restored(target, restored.meta.get(spike_guard.WINDOW_KEY) if restored else [])
     state = restored.state if restored else init_state(trainer, cfg.train.seed)
     return state, target
 

@@ -7,17 +7,84 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import Callable
 
 from europa_jax.config import ConfigError
 from europa_jax.data.corpus import DataError
-from europa_jax.job import exit_codes
+from europa_jax.job import exit_codes, preemption
 
 log = logging.getLogger(__name__)
 
 
-def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False
-                       ) -> int:
-    """Train (loop.train) and map the outcome to an `exit_codes` value."""
+def stoppable(work: Callable[[], int], run_dir: str | None = None) -> int:
+    """`work()`'s exit code, with stop requests honoured from now on: one that comes
+    before the first step ends it in one line (`stopped_line`), exit 75 (130 for Ctrl-C).
+    The CLI enters this before jax starts; within it (train_to_exit_code) it only learns
+    the run directory."""
+    stops = preemption.current()
+    if stops is not None:
+        stops.run_dir = stops.run_dir or run_dir
+        return work()
+    with preemption.StopsFromTheStart(stopped_line) as stops:
+        stops.run_dir = run_dir
+        try:
+            return work()
+        except preemption.StopBeforeFirstStep as e:
+            return stops.say(e.signal_name)
+
+
+def run_dir_known(run_dir: str) -> None:
+    """The run directory a stop before the first step speaks of (the CLI, once the config
+    is read)."""
+    stops = preemption.current()
+    if stops is not None:
+        stops.run_dir = str(run_dir)
+
+
+def stopped_line(signal_name: str, phase: str, run_dir: str | None) -> str:
+    """What a stop before the first step left: nothing new, and the checkpoint on disk."""
+    steps = committed(run_dir)
+    what = ("interrupted (Ctrl-C)" if signal_name == "SIGINT"
+            else f"stop requested ({signal_name})")
+    when = {"startup": "while starting", "compile": "during the compile",
+            "restore": "while restoring a checkpoint" if steps
+            else "while initializing the parameters"}.get(phase)
+    if run_dir is None:  # the config not read yet
+        kept, then = "nothing written", "the same command goes on"
+    elif steps:
+        kept = f"the checkpoint of step {steps[-1]} is kept"
+        then = "the same command resumes from it"
+    else:
+        kept, then = "no checkpoint yet", "the same command starts the run"
+    requeue = "" if signal_name == "SIGINT" else "exiting for requeue; "
+    return (f"{what} {when + ', ' if when else ''}before the first step: nothing new to save "
+            f"({kept}); {requeue}{then}")
+
+
+def committed(run_dir: str | None) -> list[int]:
+    """The run directory's committed checkpoint steps, oldest first ([] without one)."""
+    if run_dir is None:
+        return []
+    from europa_jax.store.saved_checkpoints import committed_steps
+
+    try:
+        return committed_steps(run_dir)
+    except (OSError, ValueError):
+        return []
+
+
+def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False,
+                       rollback_to: int | None = None) -> int:
+    """Train (loop.train) and map the outcome to an `exit_codes` value; stop requests are
+    honoured from the start (`stoppable`)."""
+    return stoppable(lambda: _train_to_exit_code(cfg, run_dir, tasks=tasks,
+                                                 start_over=start_over,
+                                                 rollback_to=rollback_to),
+                     str(run_dir or cfg.train.run_dir))
+
+
+def _train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool = False,
+                        rollback_to: int | None = None) -> int:
     from europa_jax.job import peer_lost
     from europa_jax.store.saved_checkpoints import CheckpointError
     from europa_jax.store.history import HistoryWouldBeLost
@@ -28,17 +95,19 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
     from europa_jax.run.spikes import SpikeStop
 
     try:
-        records = train(cfg, run_dir, tasks=tasks, start_over=start_over)
+        records = train(cfg, run_dir, tasks=tasks, start_over=start_over,
+                        rollback_to=rollback_to)
     except (SaveFailed, RunLogFailed) as e:  # a full disk, not the user's input: the last
         # good checkpoint is kept
         error(e)
         return exit_codes.CRASH
     except Preempted as e:
-        print(f"europa-jax: {e}", file=sys.stderr)
+        print(f"{preemption.own_line()}europa-jax: {e}", file=sys.stderr)
         return exit_codes.INTERRUPTED if e.interrupted else exit_codes.PREEMPTED
-    except KeyboardInterrupt:  # before the loop took Ctrl-C over, or a second Ctrl-C
-        print("europa-jax: interrupted (Ctrl-C): nothing saved since the last checkpoint; "
-              "the same command resumes from it", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C (or one after the loop): a save in flight
+        # was waited for on the way out, so the checkpoints on disk are the truth
+        print(f"{preemption.own_line()}europa-jax: "
+              f"{quit_line(committed(str(run_dir or cfg.train.run_dir)))}", file=sys.stderr)
         return exit_codes.INTERRUPTED
     except (NonFiniteStop, SpikeStop) as e:
         print(f"europa-jax: stopped: {e}", file=sys.stderr)
@@ -70,6 +139,16 @@ def train_to_exit_code(cfg, run_dir: str | None, *, tasks=None, start_over: bool
               file=sys.stderr)
     print(json.dumps(summary))
     return exit_codes.OK
+
+
+def quit_line(steps: list[int]) -> str:
+    """A second Ctrl-C's line: the checkpoint on disk now (a save the first one started
+    was waited for on the way out, so it is among `steps` if it was written)."""
+    if not steps:
+        return ("interrupted (Ctrl-C): quit at once; no checkpoint was saved; the same "
+                "command starts the run")
+    return (f"interrupted (Ctrl-C): quit at once; the last checkpoint saved is step "
+            f"{steps[-1]}; the same command resumes from it")
 
 
 def last_validation(run_dir: str) -> dict:

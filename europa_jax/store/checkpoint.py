@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -132,6 +133,20 @@ class Restored:
     state: TrainState
     data_state: dict | None
     meta: dict
+
+
+def unusable(error: Exception, step_dir: Path) -> str:
+    """Why a checkpoint did not restore, in a line: the damaged file named (relative to the
+    checkpoint) when the error names one — TensorStore's errors quote it deep inside a long
+    repr — else the error's first line."""
+    text = str(error)
+    inside = str(step_dir)
+    files = sorted({m.rstrip(".:") for m in re.findall(r"(/[^\s\"',;]+)", text)
+                    if m.startswith(inside + "/")}, key=len)
+    if files:  # the longest: the file itself rather than a folder above it
+        named = Path(files[-1]).relative_to(step_dir.parent)
+        return f"{type(error).__name__} reading {named} (damaged or unreadable)"
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 class Checkpointer:
@@ -254,14 +269,14 @@ class Checkpointer:
             except IncompatibleCheckpoint:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
-                restored, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                restored, error = None, unusable(e, self.directory / str(step))
             if distributed.all_processes(error is None):
                 log("checkpoint_restored", step=step)
                 return restored
             error = error or "failed on another process"
             failures.append(f"step {step}: {error}")
             log("checkpoint_skipped", level=logging.WARNING, step=step, error=error)
-            self._set_aside(step)
+            self.set_aside(step)
         if failures:
             raise CheckpointError(
                 f"{self.directory}: no usable checkpoint ({'; '.join(failures)}); set aside in "
@@ -290,8 +305,9 @@ class Checkpointer:
             raise CheckpointError(f"fingerprint mismatch in {len(bad)} arrays, e.g. {bad[0]}")
         return Restored(step, state, restored.get("data"), meta)
 
-    def _set_aside(self, step: int) -> None:
-        """Keep an unusable checkpoint for inspection, out of the way of the step re-saved."""
+    def set_aside(self, step: int) -> None:
+        """Keep an unusable checkpoint (damaged, or holding a blow-up: spikes.py) for
+        inspection, out of the way of the step re-saved. Collective."""
         if jax.process_index() == 0:
             self._move_to_corrupt(step)
         distributed.all_processes(True)  # barrier: nobody lists steps before the move is done
