@@ -245,12 +245,12 @@ class CheckpointConfig:
     # of it; "stop" ends the run (exit 1) keeping the last good checkpoint, "continue" trains
     # on to the next save. The final and preemption saves end the run either way.
     on_save_error: Literal["stop", "continue"] = "stop"
-    # Loss spikes (run/spikes.py): a finite step whose loss or gradient norm exceeds the
-    # mean + spike_sigmas·σ of the last spike_window healthy steps (OLMo-core's skip-step
-    # rule: 128 steps, 6σ) rolls the run back to its last checkpoint — saved before the
-    # spike — and goes on with the batches after it (PaLM's remedy); after
-    # max_spike_rollbacks rollbacks with no checkpoint saved between them it stops (exit 3).
-    # spike_window 0 turns it off.
+    # Loss spikes (run/spikes.py): a finite step whose loss exceeds the mean +
+    # spike_sigmas·σ of the last spike_window healthy steps (OLMo-core's skip-step rule:
+    # 128 steps, 6σ; a gradient norm only with the loss up too, or no clip) rolls the run
+    # back to its last checkpoint and goes on with the batches after it (PaLM's remedy);
+    # after max_spike_rollbacks rollbacks with no checkpoint settling between them it stops
+    # (exit 3). spike_window 0 turns it off.
     spike_window: int = 128
     spike_sigmas: float = 6.0
     max_spike_rollbacks: int = 3
