@@ -1,6 +1,7 @@
 """Multi-process start: launcher detection, device split, node-pinned mesh across processes."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import REPO, config_path, process_env
 from europa_jax.config import check_device_count, ConfigError, MeshConfig
-from europa_jax.job import distributed
+from europa_jax.job import distributed, logs
 
 SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8",
               "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -109,7 +110,7 @@ def test_expert_groups_name_nodes_and_processes():
 COLLECTIVE_LOOP = """
 import sys
 from jax.experimental import multihost_utils
-from europa_jax.job import distributed
+from europa_jax.job import distributed, logs
 from europa_jax.config import MeshConfig
 distributed.start(MeshConfig(data=2, expert=4))
 multihost_utils.process_allgather(1)
@@ -120,7 +121,8 @@ while True:
 
 MESH_DRIVER = """
 import json
-from europa_jax.job import distributed
+import os
+from europa_jax.job import distributed, logs
 from europa_jax.config import MeshConfig
 mesh_cfg = MeshConfig(data=2, expert=4)
 distributed.start(mesh_cfg)
@@ -222,3 +224,33 @@ def test_when_a_peer_dies_the_survivor_exits_at_its_next_collective_or_the_heart
         "europa-jax: process 1 of the job was lost (process 1 sent no heartbeat" in err
         and "process 0 stops with exit 75" in err)
     assert failed_collective or heartbeat_lapsed or peer_watch_requeued, err[-3000:]
+
+
+NATIVE_DRIVER = """
+import logging, os, sys
+from europa_jax.job import logs
+logs.configure("normal")
+logs.divert_native_stderr(sys.argv[1])
+os.write(2, b"F1208 12:00:00.000 client.cc:1] a native fatal log\\n")
+logging.getLogger("europa_jax.test").warning("a python line")
+logs.signal_safe_line("WARNING", "europa_jax.test", "a signal-safe line")
+print("europa-jax: the one line", file=sys.stderr)
+"""
+
+
+def test_a_job_s_native_stderr_goes_to_its_file_and_europa_jax_s_lines_stay(tmp_path):
+    """A peer's death makes jax's C++ client write a fatal log and a stack to fd 2 before
+    the process's own line: in a job fd 2 is a file beside the rank logs, and the rank's
+    stderr holds europa-jax's lines only."""
+    native = tmp_path / "rank-1.native.log"
+    result = subprocess.run([sys.executable, "-c", NATIVE_DRIVER, str(native)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert [line.split(": ", 1)[-1] for line in lines] == [
+        "a python line", "a signal-safe line", "the one line"], lines
+    assert native.read_text() == "F1208 12:00:00.000 client.cc:1] a native fatal log\n"
+    assert logs.native_log_path(1, True, {"EUROPA_LOG_DIR": "L", "SLURM_RESTART_COUNT": "2"}
+                                ) == os.path.join("L", "try-2-rank-1.native.log")
+    assert logs.native_log_path(0, False, {"EUROPA_LOG_DIR": "L"}) == os.path.join(
+        "L", "rank-0.native.log")

@@ -236,11 +236,26 @@ def batch_and_state(tiny_cfg):
     return cfg, *first_batch_and_initial_state(cfg)
 
 
-@pytest.mark.slow
-def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(batch_and_state):
+@pytest.fixture(scope="module")
+def mtp_gradients(batch_and_state):
+    """objective_gradients of the first batch by (microbatches, λ), each computed once:
+    the whole batch at λ = 0.5 is both tests' reference."""
     cfg, batch, state = batch_and_state
-    (loss_0, stats_0), grads_0 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.0)
-    (loss_w, stats_w), grads_w = objective_gradients(cfg, batch, state, mtp_loss_weight=0.5)
+    computed = {}
+
+    def gradients(microbatches, weight):
+        if (microbatches, weight) not in computed:
+            computed[microbatches, weight] = objective_gradients(
+                cfg, batch, state, microbatches, mtp_loss_weight=weight)
+        return computed[microbatches, weight]
+
+    return gradients
+
+
+@pytest.mark.slow
+def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(mtp_gradients):
+    (loss_0, stats_0), grads_0 = mtp_gradients(1, 0.0)
+    (loss_w, stats_w), grads_w = mtp_gradients(1, 0.5)
     assert loss_0 == stats_0["lm_loss"]
     np.testing.assert_allclose(stats_w["mtp_loss"], stats_0["mtp_loss"], rtol=1e-6)
     np.testing.assert_allclose(loss_w, stats_w["lm_loss"] + 0.5 * stats_w["mtp_loss"], rtol=1e-6)
@@ -257,10 +272,9 @@ def test_the_objective_adds_lambda_times_the_mtp_loss_and_its_gradients_flow(bat
 
 
 @pytest.mark.slow
-def test_microbatches_give_the_whole_batch_s_mtp_loss_and_gradients(batch_and_state):
-    cfg, batch, state = batch_and_state
-    (loss_1, stats_1), grads_1 = objective_gradients(cfg, batch, state, mtp_loss_weight=0.5)
-    (loss_2, stats_2), grads_2 = objective_gradients(cfg, batch, state, 2, mtp_loss_weight=0.5)
+def test_microbatches_give_the_whole_batch_s_mtp_loss_and_gradients(mtp_gradients):
+    (loss_1, stats_1), grads_1 = mtp_gradients(1, 0.5)
+    (loss_2, stats_2), grads_2 = mtp_gradients(2, 0.5)
     np.testing.assert_allclose(stats_2["mtp_loss"], stats_1["mtp_loss"], rtol=1e-5)
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
     np.testing.assert_allclose(grads_2["mtp_layers"]["eh_proj"], grads_1["mtp_layers"]["eh_proj"],

@@ -3,6 +3,7 @@ naming what was lost, a `peer_lost` event and exit 75, so that Slurm requeues th
 the retry resumes from the last checkpoint (job/peer_lost.py)."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -135,7 +136,8 @@ def join_two(run_dir, *sleeps):
     port = free_port()
     procs = []
     for i in range(2):
-        env = {**process_env(), **local_sh_env(port, i, heartbeat_s=20)}
+        env = {**process_env(), **local_sh_env(port, i, heartbeat_s=20),
+               "EUROPA_LOG_DIR": str(run_dir)}  # the native logs: rank-i.native.log
         procs.append(subprocess.Popen(
             [sys.executable, "-c", JOIN_DRIVER, str(run_dir), *map(str, sleeps)], cwd=REPO,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -157,6 +159,10 @@ def test_a_peer_killed_while_the_survivor_waits_outside_a_collective_ends_it_wit
     (line,) = [x for x in err.splitlines() if x.startswith("europa-jax")]
     assert line.startswith(f"europa-jax: process {killed} of the job was lost"), line
     assert f"process {1 - killed} stops with exit 75" in line, line
+    # and nothing else than the rank's stamped log lines: jax's fatal log and stack (for
+    # process 0's death, ~30 lines) are in the survivor's native log
+    stamped = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+ rank \d/2 ")
+    assert all(x == line or stamped.match(x) for x in err.splitlines()), err[-3000:]
     (event,) = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "peer_lost" and event["lost"] == [killed], event
 

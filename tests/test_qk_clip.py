@@ -306,8 +306,11 @@ def test_the_clip_bounds_the_logits_of_a_diverging_run(unstable):
     assert 0 < first < 8 and unclipped.max() > 6 * tau  # it diverges
     # Until the first clip the two runs are the same math in two programs (the clip's own
     # kernels around it), equal up to rounding, which the divergence amplifies step by
-    # step: XLA 0.12's fusions leave 7e-5 at step first − 1 and 7e-4 at `first`.
-    np.testing.assert_allclose(clipped[:first + 1], unclipped[:first + 1], rtol=2e-3)
+    # step: XLA 0.12's fusions leave under 1e-5 at step first − 1 and 7e-4 to 6e-3 at
+    # `first` (the latter on the batches drawn across a shuffled window, whose logits
+    # reach 37 there).
+    np.testing.assert_allclose(clipped[:first], unclipped[:first], rtol=2e-3)
+    np.testing.assert_allclose(clipped[first], unclipped[first], rtol=1.5e-2)
     assert counts[first] > 0 and sum(counts[:first]) == 0  # the clip starts at τ
     after_clip, unclipped_after = clipped[first + 1:], unclipped[first + 1:]
     assert np.median(after_clip) < min(2.5 * tau, 0.75 * np.median(unclipped_after))

@@ -122,6 +122,18 @@ def test_a_malformed_signal_fault_is_a_configuration_error():
         fault_injection.signal_at("compile", env={fault_injection.ENV_SIGNAL: "compile"})
 
 
+def test_a_signal_fault_can_be_for_one_try_of_a_slurm_job(monkeypatch):
+    sent = []
+    monkeypatch.setattr(fault_injection.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr(fault_injection, "_signals_sent", {})  # the entries fired: this test's
+    env = {fault_injection.ENV_SIGNAL: "restore:SIGTERM", fault_injection.ENV_SIGNAL_TRY: "1"}
+    fault_injection.signal_at("restore", env=env)  # try 0: no SLURM_RESTART_COUNT yet
+    fault_injection.signal_at("restore", env={**env, "SLURM_RESTART_COUNT": "1"})
+    assert sent == [signal.SIGTERM]
+    with pytest.raises(fault_injection.ConfigError, match="not a try number"):
+        fault_injection.signal_at("restore", env={**env, fault_injection.ENV_SIGNAL_TRY: "x"})
+
+
 def stopped(run_dir, env, phase_signal, *overrides):
     """`europa-jax train` (the TINY config) signalled at a phase: (exit code, its
     `europa-jax:` lines, stderr)."""

@@ -66,11 +66,12 @@ def job_env():
     return env
 
 
-def submit(slurm, job_env, tmp_path) -> int:
+def submit(slurm, job_env, tmp_path, **env) -> int:
     overrides = [a for item in TRAIN for a in ("--set", item)]
     return slurm.sbatch(*CPU_JOB, f"--output={tmp_path}/job-%j.out", SBATCH,
                         "configs/tiny-cpu.yaml", "--run-dir", str(tmp_path / "run"), *overrides,
-                        env={**job_env, "EUROPA_LOG_DIR": str(tmp_path / "logs")}, cwd=REPO)
+                        env={**job_env, "EUROPA_LOG_DIR": str(tmp_path / "logs"), **env},
+                        cwd=REPO)
 
 
 def records(path: Path) -> list[dict]:
@@ -97,21 +98,29 @@ def show(tmp_path, job) -> str:
 
 @pytest.mark.slow
 def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, tmp_path):
+    """Try 0 is preempted by USR1 in a step and saves it; try 1 gets a SIGTERM while it
+    restores, before its first step (fault_injection: a time limit's signal that early),
+    and is requeued too; try 2 finishes."""
     run_dir = tmp_path / "run"
-    job = submit(slurm, job_env, tmp_path)
+    job = submit(slurm, job_env, tmp_path, EUROPA_JAX_INJECT_SIGNAL="restore:SIGTERM",
+                 EUROPA_JAX_INJECT_SIGNAL_TRY="1")
     wait_for_step(slurm, job, tmp_path, 3)
     slurm.run("scancel", "--signal=USR1", str(job))  # what --signal=USR1@900 does at the limit
     final = slurm.wait(job, lambda j: j["JobState"] in ENDED, timeout=600)
     outputs = show(tmp_path, job)
     print(outputs)
-    assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+    assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "2"), \
         outputs + slurm.logs()
 
     batch = (tmp_path / f"job-{job}.out").read_text()
     assert "try 0: ranks exited with 75" in batch and "requeueing" in batch
-    assert "try 1: ranks exited with 0" in batch
+    assert "try 1: ranks exited with 75" in batch and "try 2: ranks exited with 0" in batch
     logs = tmp_path / "logs"
-    for attempt in (0, 1):
+    for rank in (0, 1):  # before the first step: one line each, nothing new saved
+        lines = [line for line in (logs / f"try-1-rank-{rank}.log").read_text().splitlines()
+                 if line.startswith("europa-jax:")]
+        assert len(lines) == 1 and "stop requested (SIGTERM) while restoring" in lines[0], lines
+    for attempt in (0, 2):
         for rank in (0, 1):
             log = (logs / f"try-{attempt}-rank-{rank}.log").read_text()
             assert f"process {rank} of 2 (slurm)" in log and "4 local cpu devices of 8" in log
@@ -120,7 +129,8 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
                      (logs / "try-0-rank-0.log").read_text())
 
     events = records(run_dir / "events.jsonl")
-    (preempted,) = [e for e in events if e["event"] == "preempted"]
+    preempted, early = [e for e in events if e["event"] == "preempted"]
+    assert (early["step"], early["phase"], early["saved"]) == (None, "restore", False)
     restored = [e for e in events if e["event"] == "checkpoint_restored"]
     assert restored and restored[-1]["step"] == preempted["step"] < STEPS
     # Written by both processes together: the preemption's step and the final one.
@@ -135,7 +145,7 @@ def test_trains_on_two_processes_then_usr1_requeues_and_resumes(slurm, job_env, 
     assert [e["compile_cache_hit"] for e in starts] == [False, True], starts
     assert starts[1]["compile_s"] < starts[0]["compile_s"], starts
     assert [e["restored"] for e in starts] == [False, True]
-    for attempt, words in [(0, "(compiled;"), (1, "(a compile-cache hit;")]:
+    for attempt, words in [(0, "(compiled;"), (2, "(a compile-cache hit;")]:
         log = (logs / f"try-{attempt}-rank-0.log").read_text()
         line = re.search(r"start: process start .*", log)
         assert line and words in line.group(0), line

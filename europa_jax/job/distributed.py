@@ -198,6 +198,13 @@ def start(mesh: MeshConfig, env: Mapping[str, str] = os.environ) -> Launch:
                 f"process {launch.process_id} of {launch.num_processes} ({launch.launcher}) "
                 f"could not join the job: {_first_line(e)}") from None
         sys.excepthook = _exit_at_once
+        from europa_jax.job import preemption  # it imports this module
+
+        if preemption.current() is not None:  # jax's notifier took SIGTERM: take it back
+            preemption.current().reclaim()
+        native = logs.native_log_path(launch.process_id, launch.launcher == "slurm", env)
+        logs.divert_native_stderr(native)
+        log.info(f"joined; this process's native (C++) messages go to {native}")
         peer_lost.watch_peers(coordination_client(), launch.process_id, launch.num_processes,
                               launch.heartbeat_timeout_s)
         if launch.process_id != 0:

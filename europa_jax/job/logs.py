@@ -89,6 +89,53 @@ def ensure_configured() -> None:
         configure()
 
 
+_stderr = {"fd": 2}  # where this process's own lines go: fd 2, or its copy (divert_native)
+
+
+def stderr_fd() -> int:
+    """The file descriptor of this process's stderr for its own lines (os.write)."""
+    return _stderr["fd"]
+
+
+def divert_native_stderr(path) -> None:
+    """What native code writes to fd 2 (jax's and absl's C++ logs: a peer's death aborts
+    a process of a job with a fatal log and a stack of ~30 lines) goes to the file `path`,
+    kept for whoever wants it; Python's `sys.stderr`, the log handler and the lines of
+    this module and preemption.py keep the real stderr, so the rank log holds europa-jax's
+    lines and a lost peer is one line there. fd 2 stays the file until the process ends."""
+    import io
+    import os
+
+    sys.stderr.flush()
+    real_fd = os.dup(2)
+    native_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(native_fd, 2)
+    os.close(native_fd)
+    old = sys.stderr
+    sys.stderr = io.TextIOWrapper(io.FileIO(real_fd, "w", closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+    _stderr["fd"] = real_fd
+    for handler in logging.getLogger().handlers:  # the rank-prefixed handler (configure)
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.setStream(sys.stderr)
+
+
+def native_log_path(process_id: int, slurm: bool, env=None) -> str:
+    """Where a process of a job keeps what native code writes to stderr: beside the rank
+    logs (`EUROPA_LOG_DIR`, which launch/local.sh and launch/jupiter.sbatch set; a Slurm
+    try's number as in its rank log's name), else the temporary directory."""
+    import os
+    import tempfile
+
+    env = os.environ if env is None else env
+    folder = env.get("EUROPA_LOG_DIR")
+    if not folder:
+        return os.path.join(tempfile.gettempdir(),
+                            f"europa-jax-{os.getpid()}-rank-{process_id}.native.log")
+    prefix = f"try-{env.get('SLURM_RESTART_COUNT') or 0}-" if slurm else ""
+    return os.path.join(folder, f"{prefix}rank-{process_id}.native.log")
+
+
 def signal_safe_line(level: str, name: str, message: str) -> None:
     """The handler's format written with one os.write: a signal handler may interrupt the
     main thread inside logging, whose locks it must not take. At a terminal the line
@@ -97,8 +144,8 @@ def signal_safe_line(level: str, name: str, message: str) -> None:
     next update."""
     import os
 
-    clear = "\r\x1b[K" if os.isatty(2) else ""
-    os.write(2, (clear + _prefix(level, name) + message + "\n").encode())
+    clear = "\r\x1b[K" if os.isatty(stderr_fd()) else ""
+    os.write(stderr_fd(), (clear + _prefix(level, name) + message + "\n").encode())
 
 
 def _prefix(level: str, name: str) -> str:

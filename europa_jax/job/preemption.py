@@ -169,6 +169,14 @@ class StopsFromTheStart:
         os.close(read_fd)
         os.close(write_fd)
 
+    def reclaim(self) -> None:
+        """Set the handlers again after a library took the signals: jax.distributed's
+        preemption notifier catches SIGTERM in C++ when a job's process joins, and a
+        request would then be swallowed until the loop's own handlers (distributed.py)."""
+        if self._thread is not None:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._handle)
+
     def on_phase(self, phase: str, _step: int | None = None) -> None:
         """A Timeline listener: the phase a stop is said to come in."""
         self.phase = phase
@@ -276,7 +284,7 @@ def _write_stderr(text: str) -> None:
     except Exception:  # noqa: BLE001 (another thread inside it: the line still goes out)
         pass
     try:
-        os.write(2, text.encode())
+        os.write(logs.stderr_fd(), text.encode())
     except OSError:
         pass
 

@@ -16,6 +16,8 @@ Set in a process's environment (never by a configuration):
   entry (`compile:SIGTERM:stall`) keeps the main thread in one native wait for
   `STALL_S`, its stop signals blocked, as inside XLA's compile: no Python handler runs
   there, and only preemption.py's watcher thread can end the process.
+  With `EUROPA_JAX_INJECT_SIGNAL_TRY=N` the entries fire only in try N of a Slurm job
+  (`SLURM_RESTART_COUNT`, 0 before any requeue): a stop in the requeued try alone.
 
 Malformed values are a one-line configuration error: a test that meant to inject a fault
 and silently did not would pass for the wrong reason.
@@ -35,6 +37,7 @@ ENV_DELAY = "EUROPA_JAX_INJECT_DELAY"
 ENV_HANG = "EUROPA_JAX_INJECT_HANG"
 ENV_SPIKE = "EUROPA_JAX_INJECT_SPIKE"
 ENV_SIGNAL = "EUROPA_JAX_INJECT_SIGNAL"
+ENV_SIGNAL_TRY = "EUROPA_JAX_INJECT_SIGNAL_TRY"
 _signals_sent: dict[str, int] = {}  # EUROPA_JAX_INJECT_SIGNAL's value → entries fired
 STALL_S = 120.0
 
@@ -83,7 +86,7 @@ def signal_at(phase: str, step: int | None = None, env: Mapping[str, str] = os.e
     signal is sent from the thread that enters the phase: the main thread's handler runs
     at its next Python instruction, deterministically at that point of the run."""
     raw = env.get(ENV_SIGNAL)
-    if not raw:
+    if not raw or not _this_try(env):
         return
     entries = [_signal_entry(entry, raw) for entry in raw.split(",")]
     done = _signals_sent.get(raw, 0)
@@ -98,6 +101,16 @@ def signal_at(phase: str, step: int | None = None, env: Mapping[str, str] = os.e
     threading.Timer(0.1, os.kill, (os.getpid(), sig)).start()  # to another thread, then
     time.sleep(STALL_S)  # one call the signal does not interrupt
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _this_try(env: Mapping[str, str]) -> bool:
+    """Whether the signal entries are for this try (EUROPA_JAX_INJECT_SIGNAL_TRY)."""
+    only = env.get(ENV_SIGNAL_TRY)
+    if only is None:
+        return True
+    if not only.isdigit():
+        raise ConfigError(f"{ENV_SIGNAL_TRY}: {only!r} is not a try number (0, 1, ...)")
+    return int(env.get("SLURM_RESTART_COUNT") or 0) == int(only)
 
 
 def _signal_entry(entry: str, raw: str) -> tuple[str, int | None, signal.Signals, bool]:
