@@ -4,7 +4,6 @@ the checkpoint that holds the damage and names `--rollback-to`; the rule against
 healthy steps and before them, replayed on the README's default run's trace; the window a
 resume takes back from its checkpoint."""
 
-import json
 import math
 
 import pytest
@@ -130,17 +129,13 @@ def test_a_resumed_guard_judges_by_the_window_saved_with_its_checkpoint(tmp_path
     the checkpoint's, and the rise is an excursion."""
     cfg = load_config(config_path("tiny-cpu.yaml"))
     saved = [[n, 2.3 + 0.01 * (n % 5), 1.3 + 0.02 * (n % 7)] for n in range(1, 101)]
-    meta = checkpoint.checkpoint_dir(tmp_path) / "100" / "meta"
-    meta.mkdir(parents=True)
-    (meta / "metadata").write_text(json.dumps({"step": 100, spikes.WINDOW_KEY: saved}))
-    guard = spikes.SpikeGuard.for_run(cfg, tmp_path, 100)
+    guard = spikes.SpikeGuard.for_run(cfg, {"step": 100, spikes.WINDOW_KEY: saved})
     assert [list(row) for row in guard.window] == saved
     rolled, seen = replay(guard, [(101 + i, 2.3, 3.07 + 0.1 * i) for i in range(15)])
     assert rolled == [] and seen[0] == ("grad_norm_spike", 101)
     assert len(seen) < 15  # excursions join the window: a lasting rise widens it
-    assert not spikes.SpikeGuard.for_run(cfg, tmp_path, 0).window  # a fresh start
-    (meta / "metadata").write_text(json.dumps({"step": 100}))  # saved before the window
-    assert not spikes.SpikeGuard.for_run(cfg, tmp_path, 100).window
+    assert not spikes.SpikeGuard.for_run(cfg, None).window  # a fresh start
+    assert not spikes.SpikeGuard.for_run(cfg, {"step": 100}).window  # saved before the window
 
 
 def settled_guard(**cfg):

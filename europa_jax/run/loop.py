@@ -156,10 +156,10 @@ def _steps(cfg: Config, run_dir: Path, host_batches: pipeline.BatchIterator,
                     "keep a fallback")
     saves = SaveGuard(ckpt, cfg.checkpoint, events)
     start = StartPhases(startup_s=clock.phase("restore"))
-    state, start_step = _resume(cfg, run_dir, ckpt, trainer, events, host_batches,
-                                starting_over, start)
+    state, start_step, restored_meta = _resume(cfg, run_dir, ckpt, trainer, events,
+                                               host_batches, starting_over, start)
     step_fn, executable = jit_train_step(trainer), None
-    spikes = SpikeGuard.for_run(cfg, run_dir, start_step, events)  # the saved window
+    spikes = SpikeGuard.for_run(cfg, restored_meta, events)  # the window saved with it
     profiler = Profiler(cfg, run_dir)
     faults = fault_injection.Faults(jax.process_index())
     # one process has no one to straggle behind
@@ -264,8 +264,9 @@ def after_step_hooks(cfg: Config, trainer: Trainer, events: EventLog, clock: tim
 def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: Trainer,
             events: EventLog, host_batches: pipeline.BatchIterator, starting_over: list[str],
             start: StartPhases):
-    """The latest valid checkpoint's state and step (the data stream set to its position),
-    or the initial state at step 0; what changed since the save is said before it acts."""
+    """The latest valid checkpoint's state, step (the data stream set to its position) and
+    meta, or the initial state at step 0 and None; what changed since the save is said
+    before it acts."""
     is_primary = jax.process_index() == 0
     restored = ckpt.restore_latest(events)
     if restored is None and is_primary:
@@ -295,7 +296,7 @@ def _resume(cfg: Config, run_dir: Path, ckpt: checkpoint.Checkpointer, trainer: 
                    changes={k: {"saved": old, "now": new} for k, old, new in values})
     if restored and restored.data_state is not None:
         host_batches.set_state(restored.data_state)
-    return state, restored.step if restored else 0
+    return state, restored.step if restored else 0, restored.meta if restored else None
 
 
 def _compile(cfg: Config, run_dir: Path, step_fn, state, batch, clock: timeline.Timeline,

@@ -96,13 +96,14 @@ class SpikeGuard:
         self.retried: set[int] = set()  # provisional checkpoints a rollback already restored
 
     @classmethod
-    def for_run(cls, cfg: Config, run_dir: str | Path, start_step: int,
+    def for_run(cls, cfg: Config, restored_meta: dict | None,
                 events: Callable | None = None) -> SpikeGuard:
-        """The run's guard; a resumed run's window is the one saved with its checkpoint, so
-        a new try judges its first steps against the steps before them (every process reads
-        the same file: all decide alike)."""
+        """The run's guard; a resumed run's window is the one saved with the checkpoint it
+        restored (`restored_meta`; None for a fresh start), so a new try judges its first
+        steps against the steps before them (every process restored the same: all decide
+        alike). A checkpoint saved before the window was kept gives an empty one."""
         return cls(cfg.checkpoint, cfg.model.vocab_size, clipped=cfg.optim.clip_grad_norm > 0,
-                   events=events, window=saved_window(run_dir, start_step))
+                   events=events, window=(restored_meta or {}).get(WINDOW_KEY) or ())
 
     @property
     def enabled(self) -> bool:
@@ -242,18 +243,6 @@ def way_on(kept: list[int], set_aside: list[int]) -> str:
             f"command resumes from {kept[-1]}; `europa-jax train … --rollback-to STEP` "
             "resumes from an earlier one, setting the later ones aside (e.g. with a lower "
             "optim.learning_rate: --set optim.learning_rate=…)")
-
-
-def saved_window(run_dir: str | Path, step: int) -> list:
-    """The window saved with checkpoint `step` ([] at step 0, or for a checkpoint saved
-    before the window was kept)."""
-    if not step:
-        return []
-    step_dir = saved_checkpoints.checkpoint_dir(run_dir) / str(step)
-    try:
-        return saved_checkpoints.read_meta(step_dir).get(WINDOW_KEY) or []
-    except (OSError, ValueError):  # the restore read it: only a race would get here
-        return []
 
 
 def roll_back_to(run_dir: str | Path, step: int, is_primary: bool) -> list[int]:
